@@ -1,0 +1,256 @@
+"""Python bindings of libkdtree (ctypes over its C ABI, kernels/include/kdtree.h).
+
+ctypes keeps the library independent of torch's C++ ABI: one build serves torch
+2.11 and 2.13 alike. Each op checks shape, dtype, device and contiguity and names
+the wrong argument; it then only allocates its outputs through torch (graph-safe)
+and launches on torch's current stream: no host synchronisation, so a sequence
+of ops can be captured in a CUDA graph. Sizes that depend on data (the padded
+tree width D) must be passed in for capture; a convenience default that reads
+them from the device synchronises, and says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from .attention import LATENT_DIM, QK_DIM
+from .build import DEFAULT_BUILD_DIR, LIB_NAME
+from .checks import InputError
+from .tree import MAX_BUDGET
+
+STATUS_BUDGET_CLAMPED = 1
+STATUS_NAN_INPUT = 2
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+def library_path() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("KDTREE_LIB", DEFAULT_BUILD_DIR / LIB_NAME))
+
+
+@functools.lru_cache(maxsize=1)
+def lib() -> ctypes.CDLL:
+    path = library_path()
+    if not path.exists():
+        raise RuntimeError(f"{path} not found: build it with `python -m kdtree build` "
+                           "(or set KDTREE_LIB)")
+    so = ctypes.CDLL(str(path))
+    so.kd_build_trees.argtypes = [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P]
+    so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
+    so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
+    so.kd_verify_tile.argtypes = [ctypes.POINTER(_I), ctypes.POINTER(_I)]
+    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile):
+        f.restype = _I
+    return so
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _stream(device) -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == 1001:
+        raise InputError(f"{what}: a size is outside what the kernel supports")
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA error {rc} at launch")
+
+
+def _tensor(name, t, dtype, shape, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise InputError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise InputError(f"{name}: expected a CUDA tensor, got device {t.device}")
+    if device is not None and t.device != device:
+        raise InputError(f"{name}: expected device {device}, got {t.device}")
+    if t.dtype != dtype:
+        raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise InputError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise InputError(f"{name}: expected a contiguous tensor")
+    return t
+
+
+# ---------------------------------------------------------------- tree build
+@dataclass
+class GpuTrees:
+    """Outputs of build_trees_gpu; the layout of kdtree.tree.TreeBatch plus a status word."""
+
+    node_counts: torch.Tensor
+    tokens: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    positions: torch.Tensor
+    next_token: torch.Tensor
+    next_sibling: torch.Tensor
+    visibility: torch.Tensor | None
+    visibility_bits: torch.Tensor | None
+    status: torch.Tensor  # int32 [B]: STATUS_* bits, 0 when the request built normally
+
+    def raise_on_status(self) -> None:
+        """Synchronises. Raises for a request whose input was refused (NaN) or clamped."""
+        st = self.status.cpu()
+        if (st & STATUS_NAN_INPUT).any():
+            b = int(torch.nonzero(st & STATUS_NAN_INPUT)[0])
+            raise InputError(f"top_logprobs: NaN or +inf in request {b}; it was left root-only")
+        if (st & STATUS_BUDGET_CLAMPED).any():
+            b = int(torch.nonzero(st & STATUS_BUDGET_CLAMPED)[0])
+            raise InputError(f"budgets[{b}]: exceeds d_max - 1; the tree was cut to d_max - 1 nodes")
+
+
+def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=None,
+                    d_max: int | None = None, visibility: bool = True,
+                    visibility_bits: bool = True, out: GpuTrees | None = None) -> GpuTrees:
+    """Best-first build of B trees on the GPU, byte-identical to kdtree.tree.build_trees.
+
+    ``top_logprobs f32 [B, L, K]``, ``top_ids i64 [B, L, K]``, ``budgets i32 [B]``,
+    ``seq_lens i32 [B]`` (prefix lengths for positions), ``root_tokens i64 [B]``.
+    ``d_max`` (padded slots) defaults to ``max(budgets) + 1``, which synchronises.
+    ``out`` reuses preallocated outputs (static buffers for CUDA graphs).
+    """
+    lp = _tensor("top_logprobs", top_logprobs, torch.float32, (None, None, None))
+    dev = lp.device
+    B, L, K = lp.shape
+    _tensor("top_ids", top_ids, torch.int64, (B, L, K), dev)
+    _tensor("budgets", budgets, torch.int32, (B,), dev)
+    if seq_lens is not None:
+        _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
+    if root_tokens is not None:
+        _tensor("root_tokens", root_tokens, torch.int64, (B,), dev)
+    if L > 32767:
+        raise InputError(f"top_logprobs: expected L <= 32767 positions, got {L}")
+    if d_max is None:
+        d_max = int(budgets.max().clamp(min=0)) + 1 if B else 1  # host sync, documented
+    if not 1 <= d_max <= MAX_BUDGET + 1:
+        raise InputError(f"d_max: expected 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max}")
+    D = d_max
+    if out is None:
+        out = _alloc_trees(B, D, dev, visibility, visibility_bits)
+    else:
+        _check_trees_out(out, B, D, dev)
+    rc = lib().kd_build_trees(
+        _ptr(lp), _ptr(top_ids), _ptr(budgets), _ptr(seq_lens), _ptr(root_tokens), B, L, K, D,
+        _ptr(out.node_counts), _ptr(out.tokens), _ptr(out.depths), _ptr(out.parents),
+        _ptr(out.positions), _ptr(out.next_token), _ptr(out.next_sibling), _ptr(out.visibility),
+        _ptr(out.visibility_bits), _ptr(out.status), _stream(dev))
+    _check(rc, "build_trees_gpu")
+    return out
+
+
+def _alloc_trees(B, D, dev, visibility=True, visibility_bits=True) -> GpuTrees:
+    i64 = dict(dtype=torch.int64, device=dev)
+    return GpuTrees(
+        node_counts=torch.empty(B, dtype=torch.int32, device=dev),
+        tokens=torch.empty(B, D, **i64), depths=torch.empty(B, D, **i64),
+        parents=torch.empty(B, D, dtype=torch.int32, device=dev),
+        positions=torch.empty(B, D, **i64), next_token=torch.empty(B, D, **i64),
+        next_sibling=torch.empty(B, D, **i64),
+        visibility=torch.empty(B, D, D, dtype=torch.bool, device=dev) if visibility else None,
+        visibility_bits=torch.empty(B, D, W, dtype=torch.int32, device=dev) if visibility_bits else None,
+        status=torch.empty(B, dtype=torch.int32, device=dev))
+
+
+def _check_trees_out(out: GpuTrees, B, D, dev) -> None:
+    for name, dtype, shape in (("node_counts", torch.int32, (B,)), ("tokens", torch.int64, (B, D)),
+                               ("depths", torch.int64, (B, D)), ("parents", torch.int32, (B, D)),
+                               ("positions", torch.int64, (B, D)), ("next_token", torch.int64, (B, D)),
+                               ("next_sibling", torch.int64, (B, D)), ("status", torch.int32, (B,))):
+        _tensor(f"out.{name}", getattr(out, name), dtype, shape, dev)
+    if out.visibility is not None:
+        _tensor("out.visibility", out.visibility, torch.bool, (B, D, D), dev)
+    if out.visibility_bits is not None:
+        _tensor("out.visibility_bits", out.visibility_bits, torch.int32, (B, D, (D + 31) // 32), dev)
+
+
+# ---------------------------------------------------------------- accept
+def tree_accept(candidates, next_token, next_sibling, target, max_depth: int):
+    """Greedy walk per request: ``(accept_index i32 [B, max_depth+1], accept_len i32 [B], bonus i64 [B])``."""
+    c = _tensor("candidates", candidates, torch.int64, (None, None))
+    dev = c.device
+    B, D = c.shape
+    for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("target", target)):
+        _tensor(name, t, torch.int64, (B, D), dev)
+    if not isinstance(max_depth, int) or max_depth < 0:
+        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
+    accept_index = torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev)
+    accept_len = torch.empty(B, dtype=torch.int32, device=dev)
+    bonus = torch.empty(B, dtype=torch.int64, device=dev)
+    rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), _ptr(target), B, D,
+                              max_depth, _ptr(accept_index), _ptr(accept_len), _ptr(bonus),
+                              _stream(dev))
+    _check(rc, "tree_accept")
+    return accept_index, accept_len, bonus
+
+
+# ---------------------------------------------------------------- attention
+@functools.lru_cache(maxsize=8)
+def _device_facts(index: int):
+    rows, keys = _I(), _I()
+    _check(lib().kd_verify_tile(ctypes.byref(rows), ctypes.byref(keys)), "kd_verify_tile")
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return rows.value, keys.value, sms
+
+
+def choose_splits(B: int, R: int, max_seq: int, device) -> int:
+    """Splits over the keys so that the grid fills the GPU (read off the device, no sync)."""
+    rows, keys, sms = _device_facts(torch.device(device).index or 0)
+    ctas = B * -(-R // rows)
+    tiles = -(-max_seq // keys)
+    want = -(-sms // max(ctas, 1))
+    return max(1, min(want, max(1, tiles // 2), 64))
+
+
+def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: float,
+                     num_splits: int | None = None, out=None, lse=None):
+    """Tree-verify attention: ``(out bf16 [B, D, H, 512], lse f32 [B, D, H])``.
+
+    ``visibility`` is the build's bool ``[B, D, D]`` or its bit-packed int32
+    ``[B, D, ceil(D/32)]``. ``num_splits`` defaults to a split that fills the GPU.
+    """
+    q = _tensor("q", q, torch.bfloat16, (None, None, None, QK_DIM))
+    dev = q.device
+    B, D, H, _ = q.shape
+    kv = _tensor("kv_cache", kv_cache, torch.bfloat16, (None, None, QK_DIM), dev)
+    page_size = kv.shape[1]
+    bt = _tensor("block_table", block_table, torch.int32, (B, None), dev)
+    _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
+    if visibility.dtype == torch.bool:
+        _tensor("visibility", visibility, torch.bool, (B, D, D), dev)
+        bits = 0
+    else:
+        _tensor("visibility", visibility, torch.int32, (B, D, (D + 31) // 32), dev)
+        bits = 1
+    if not isinstance(scale, float) or not scale > 0:
+        raise InputError(f"scale: expected a positive float (e.g. 0.130861 for K2), got {scale!r}")
+    R = D * H
+    if num_splits is None:
+        num_splits = choose_splits(B, R, bt.shape[1] * page_size, dev)
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise InputError(f"num_splits: expected an integer >= 1, got {num_splits!r}")
+    if out is None:
+        out = torch.empty(B, D, H, LATENT_DIM, dtype=torch.bfloat16, device=dev)
+    _tensor("out", out, torch.bfloat16, (B, D, H, LATENT_DIM), dev)
+    if lse is None:
+        lse = torch.empty(B, D, H, dtype=torch.float32, device=dev)
+    _tensor("lse", lse, torch.float32, (B, D, H), dev)
+    part_o = part_l = None
+    if num_splits > 1:
+        part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.float32, device=dev)
+        part_l = torch.empty(B, num_splits, R, dtype=torch.float32, device=dev)
+    rc = lib().kd_verify_attention(_ptr(q), _ptr(kv), _ptr(bt), _ptr(seq_lens), _ptr(visibility),
+                                   bits, B, D, H, page_size, bt.shape[1], float(scale),
+                                   num_splits, _ptr(out), _ptr(lse), _ptr(part_o), _ptr(part_l),
+                                   _stream(dev))
+    _check(rc, "verify_attention")
+    return out, lse

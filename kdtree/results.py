@@ -1,0 +1,56 @@
+"""Parquet results: atomic writes and resumable sweeps.
+
+A sweep appends finished rows to a partial file next to its output after every
+point (atomically), so an interrupted run resumes where it stopped; the final
+Parquet appears only once, by rename, when the sweep is complete.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+
+import pandas as pd
+
+
+def write_parquet_atomic(df: pd.DataFrame, path) -> None:
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        df.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResumableSweep:
+    """Collect rows keyed by a point id; skip points a previous (interrupted) run finished."""
+
+    def __init__(self, out_path, key: str = "point"):
+        self.out = pathlib.Path(out_path)
+        self.partial = self.out.with_name(self.out.name + ".partial")
+        self.key = key
+        self.frames: list[pd.DataFrame] = []
+        if self.partial.exists():
+            self.frames.append(pd.read_parquet(self.partial))
+
+    def done(self) -> set:
+        return {v for f in self.frames for v in f[self.key].tolist()}
+
+    def add(self, rows: list[dict]) -> None:
+        if not rows:
+            return
+        self.frames.append(pd.DataFrame(rows))
+        write_parquet_atomic(self.frame(), self.partial)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.concat(self.frames, ignore_index=True) if self.frames else pd.DataFrame()
+
+    def finish(self) -> pd.DataFrame:
+        df = self.frame()
+        write_parquet_atomic(df, self.out)
+        self.partial.unlink(missing_ok=True)
+        return df

@@ -1,0 +1,104 @@
+"""Seeded synthetic workloads that look like real decode rounds.
+
+* Drafter logits in bf16 with mixed entropy: peaked rows (one or two dominant
+  tokens), flat rows, and coarse rows whose values collapse onto a few bf16 steps
+  so that exact ties are the normal case (as the spec warns they are).
+* Paged latent caches with ragged prefix lengths, shuffled block tables, and every
+  unused page and row poisoned with NaN so that an over-read shows in the output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .attention import QK_DIM
+from .tree import TreeBatch, build_trees, stage_a
+
+
+def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0.3) -> torch.Tensor:
+    """bf16 ``[B, L, V]`` logits; each row is peaked, flat or coarse (tie-heavy)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, L, V, generator=g)
+    kind = torch.rand(B, L, 1, generator=g)
+    temp = torch.where(kind < 0.4, 3.0, 1.0)                        # flat vs wide rows
+    x = x * temp
+    peak = torch.randint(0, V, (B, L, 2), generator=g)
+    boost = torch.rand(B, L, 2, generator=g) * 12.0 * (kind > 0.6)  # peaked rows
+    x.scatter_add_(-1, peak, boost)
+    coarse = torch.rand(B, L, 1, generator=g) < coarse_fraction
+    x = torch.where(coarse, torch.round(x * 2) / 2, x)              # few levels: many ties
+    return x.to(torch.bfloat16)
+
+
+def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fraction: float = 0.3):
+    """float32 top-lp and int64 ids ``[B, L, min(budget_max, V)]`` from synthetic logits."""
+    lp, ids = stage_a(drafter_logits(B, L, V, seed, coarse_fraction), max(1, budget_max))
+    return lp, ids
+
+
+def tree_batch(budgets, L: int = 15, V: int = 4096, seed: int = 0, seq_lens=None) -> TreeBatch:
+    """CPU-built trees for per-request budgets over synthetic drafter output."""
+    budgets = np.asarray(budgets, dtype=np.int64)
+    lp, ids = stage_a_inputs(len(budgets), L, V, int(budgets.max(initial=1)), seed)
+    return build_trees(lp, ids, budgets, seq_lens=seq_lens)
+
+
+@dataclass
+class PagedCase:
+    q: torch.Tensor            # bf16 [B, D, H, 576]
+    kv_cache: torch.Tensor     # bf16 [num_pages, page_size, 576], NaN outside live rows
+    block_table: torch.Tensor  # int32 [B, max_pages], shuffled page ids
+    seq_lens: torch.Tensor     # int32 [B] = P_b + D
+    visibility: torch.Tensor   # bool [B, D, D]
+    prefix_lens: list
+
+
+def paged_case(prefix_lens, D: int, H: int, page_size: int, seed: int, visibility=None,
+               spare_pages: int = 2, device="cpu") -> PagedCase:
+    """A paged latent cache holding ``P_b + D`` live rows per request, everything else NaN.
+
+    ``visibility`` defaults to random trees (random parents, ancestor closure).
+    """
+    g = torch.Generator().manual_seed(seed)
+    B = len(prefix_lens)
+    seq = [int(p) + D for p in prefix_lens]
+    pages_per = [(s + page_size - 1) // page_size for s in seq]
+    max_pages = max(pages_per)
+    num_pages = sum(pages_per) + spare_pages
+    perm = torch.randperm(num_pages, generator=g)
+    cache = torch.full((num_pages, page_size, QK_DIM), float("nan"), dtype=torch.bfloat16)
+    table = torch.full((B, max_pages), -1, dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        ids = perm[used:used + pages_per[b]]
+        used += pages_per[b]
+        table[b, :pages_per[b]] = ids.to(torch.int32)
+        rows = torch.randn(seq[b], QK_DIM, generator=g).to(torch.bfloat16)
+        flat = torch.full((pages_per[b] * page_size, QK_DIM), float("nan"), dtype=torch.bfloat16)
+        flat[:seq[b]] = rows
+        cache[ids.long()] = flat.view(pages_per[b], page_size, QK_DIM)
+    # Unused table entries point at a poisoned spare page, as a stale table would.
+    spare = perm[used] if spare_pages else 0
+    table[table < 0] = int(spare)
+    q = torch.randn(B, D, H, QK_DIM, generator=g).to(torch.bfloat16)
+    if visibility is None:
+        visibility = random_visibility(B, D, g)
+    vis = torch.as_tensor(visibility, dtype=torch.bool)
+    return PagedCase(q.to(device), cache.to(device), table.to(device),
+                     torch.tensor(seq, dtype=torch.int32, device=device), vis.to(device),
+                     list(prefix_lens))
+
+
+def random_visibility(B: int, D: int, g: torch.Generator) -> torch.Tensor:
+    """Ancestor closure of random trees (parent of i drawn from 0..i-1, biased to recent nodes)."""
+    vis = torch.zeros(B, D, D, dtype=torch.bool)
+    for b in range(B):
+        for i in range(D):
+            if i > 0:
+                lo = max(0, i - 8)
+                p = int(torch.randint(lo, i, (1,), generator=g))
+                vis[b, i] = vis[b, p]
+            vis[b, i, i] = True
+    return vis

@@ -1,0 +1,62 @@
+// C ABI of libkdtree: the host API, apart from the kernels (kernels/src/*.cu).
+// Every entry point only launches on the given stream: no allocation, no host
+// synchronisation, so calls can be captured in CUDA graphs. Pointers are device
+// pointers to contiguous row-major arrays; the Python bindings (kdtree/ops.py)
+// check shapes, dtypes and devices before calling. Return: a cudaError_t value
+// (0 = launched) or one of the KD_ERR_* codes below for a bad argument.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KD_ERR_ARGUMENT 1001   // a size or pointer is out of the supported range
+
+// Tree-build status bits written to `status[b]` (0 = request built normally).
+#define KD_STATUS_BUDGET_CLAMPED 1   // budget > D-1: built with D-1 nodes
+#define KD_STATUS_NAN_INPUT 2        // NaN or +inf in top_logprobs: tree left root-only
+
+int kd_version(void);
+
+// Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
+// top_lp f32 [B, L, K], top_ids i64 [B, L, K], budgets i32 [B], prefix_lens i32 [B] (may be
+// NULL: zeros), root_tokens i64 [B] (may be NULL: PAD token). Outputs, padded to D slots:
+// node_counts i32 [B], tokens/depths/positions/next_token/next_sibling i64 [B, D],
+// parents i32 [B, D], visibility u8 [B, D, D] (may be NULL), visibility_bits i32 [B, D, W]
+// with W = ceil(D/32) (may be NULL), status i32 [B].
+int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
+                   const int32_t* prefix_lens, const int64_t* root_tokens, int B, int L, int K,
+                   int D, int32_t* node_counts, int64_t* tokens, int64_t* depths,
+                   int32_t* parents, int64_t* positions, int64_t* next_token,
+                   int64_t* next_sibling, uint8_t* visibility, int32_t* visibility_bits,
+                   int32_t* status, void* stream);
+
+// Greedy accept (spec ddtree.md section 5). candidates/next_token/next_sibling/target
+// i64 [B, D]; accept_index i32 [B, max_depth+1] (global slot ids b*D+i, -1 padded),
+// accept_len i32 [B] (root excluded), bonus i64 [B].
+int kd_tree_accept(const int64_t* candidates, const int64_t* next_token,
+                   const int64_t* next_sibling, const int64_t* target, int B, int D,
+                   int max_depth, int32_t* accept_index, int32_t* accept_len, int64_t* bonus,
+                   void* stream);
+
+// Tree-verify attention, MLA absorbed form (spec verify_attention.md).
+// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
+// [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
+// or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
+// lse f32 [B, D, H] (natural log). num_splits > 1 splits each request's keys; then
+// partial_out f32 [B, num_splits, D*H, 512] and partial_lse f32 [B, num_splits, D*H] are
+// the caller's workspace (kd_verify_workspace_bytes says how much).
+int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
+                        const int32_t* seq_lens, const void* visibility, int vis_bits,
+                        int B, int D, int H, int page_size, int max_pages, float scale,
+                        int num_splits, void* out, float* lse, float* partial_out,
+                        float* partial_lse, void* stream);
+
+// The tile the current device gets (chosen by its shared-memory limit per block):
+// query rows per CTA and keys per shared-memory tile, for sizing splits on the host.
+int kd_verify_tile(int* rows_per_cta, int* keys_per_tile);
+
+#ifdef __cplusplus
+}
+#endif

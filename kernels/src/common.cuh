@@ -1,0 +1,21 @@
+// Types and helpers shared by the kernels of libkdtree.
+#pragma once
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "kdtree.h"
+
+#define KD_LAUNCH_CHECK() \
+  do { cudaError_t e_ = cudaGetLastError(); if (e_ != cudaSuccess) return (int)e_; } while (0)
+
+namespace kd {
+
+constexpr int QK_DIM = 576;     // latent (512) + rope (64)
+constexpr int V_DIM = 512;      // values: the first 512 columns of a cache row
+constexpr float NEG_INF_FLOOR = -1.0e4f;   // -inf log-probs are clamped to this (spec 1)
+constexpr int64_t PAD_TOKEN = 0;
+
+__host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace kd

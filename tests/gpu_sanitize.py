@@ -1,0 +1,29 @@
+"""One small launch of each kernel, for compute-sanitizer (memcheck, racecheck).
+
+    compute-sanitizer --tool memcheck --error-exitcode 9 python tests/gpu_sanitize.py
+"""
+import numpy as np
+import torch
+
+from kdtree import ops
+from kdtree.workloads import paged_case, stage_a_inputs
+
+
+def main():
+    lp, ids = stage_a_inputs(3, 15, 200, 40, seed=1)
+    budgets = torch.tensor([40, 7, 0], dtype=torch.int32, device="cuda")
+    trees = ops.build_trees_gpu(lp.cuda(), ids.cuda(), budgets, d_max=41)
+    target = torch.randint(0, 200, (3, 41), device="cuda")
+    ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)
+    case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
+    for splits in (1, 3):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                             trees.visibility, 0.130861, num_splits=splits)
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                             trees.visibility_bits, 0.130861, num_splits=splits)
+    torch.cuda.synchronize()
+    print("sanitize run finished:", np.asarray(trees.node_counts.cpu()).tolist())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+"""The CUDA kernels against the CPU references (run on a GPU; skipped without one).
+
+Outputs are poisoned before every launch, inputs are fresh per check, and the
+tree build is compared byte for byte on thousands of tie-heavy requests.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kdtree.attention import verify_attention_ref
+from kdtree.checks import NEG_INF_FLOOR, InputError
+from kdtree.tree import build_trees, greedy_accept_batch, pack_visibility
+from kdtree.workloads import paged_case, stage_a_inputs
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+SCALE = 0.130861
+FIELDS = ("node_counts", "tokens", "depths", "parents", "positions", "next_token",
+          "next_sibling", "visibility", "visibility_bits")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from kdtree import ops as _ops
+    _ops.lib()
+    return _ops
+
+
+def poisoned_trees(ops, B, D):
+    out = ops._alloc_trees(B, D, torch.device(DEV))
+    for name in FIELDS + ("status",):
+        t = getattr(out, name)
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(0x5A)
+        else:
+            t.fill_(-7)
+    return out
+
+
+def gpu_vs_cpu(ops, lp, ids, budgets, seq, roots, d_max=None):
+    B = lp.shape[0]
+    want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=d_max)
+    out = poisoned_trees(ops, B, want.D)
+    got = ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV),
+                              torch.as_tensor(seq, dtype=torch.int32, device=DEV),
+                              torch.as_tensor(roots, dtype=torch.int64, device=DEV), d_max=want.D, out=out)
+    for f in FIELDS:
+        g = getattr(got, f).cpu().numpy()
+        w = getattr(want, f)
+        assert g.dtype == w.dtype, f
+        if not np.array_equal(g, w):
+            bad = np.argwhere((g != w).reshape(B, -1).any(1)).ravel()
+            raise AssertionError(f"{f} differs in requests {bad[:10]} (budgets {np.asarray(budgets)[bad[:10]]})")
+    assert (got.status.cpu() == 0).all()
+    return want
+
+
+BUDGET_CHOICES = [1, 2, 14, 15, 16, 17, 31, 64, 100, 128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("seed", range(32))
+def test_tree_build_matches_cpu(ops, seed):
+    rng = np.random.default_rng(seed)
+    B = 64
+    V = int(rng.choice([2, 3, 7, 50, 1000, 32000]))
+    budgets = rng.choice(BUDGET_CHOICES, size=B)
+    if seed % 4 == 0:
+        budgets[:] = int(rng.choice(BUDGET_CHOICES))   # uniform batches too
+    lp, ids = stage_a_inputs(B, 15, V, int(budgets.max()), seed=1000 + seed,
+                             coarse_fraction=float(rng.choice([0.3, 1.0])))
+    seq = rng.integers(0, 100_000, size=B)
+    roots = rng.integers(0, V, size=B)
+    gpu_vs_cpu(ops, lp, ids, budgets, seq, roots)
+
+
+@pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
+                                        (4, 3, 1024), (15, 16, 15)])
+def test_tree_build_tiny_vocab_and_short_blocks(ops, L, V, budget):
+    lp, ids = stage_a_inputs(8, L, V, budget, seed=L * 100 + V, coarse_fraction=1.0)
+    gpu_vs_cpu(ops, lp, ids, np.full(8, budget), np.arange(8), np.arange(8))
+
+
+def test_tree_build_neg_inf_clamped_like_cpu(ops):
+    lp, ids = stage_a_inputs(16, 15, 500, 64, seed=5)
+    lp[:, :, 40:] = float("-inf")
+    lp[3, 2, 1:] = float("-inf")
+    gpu_vs_cpu(ops, lp, ids, np.full(16, 64), np.zeros(16), np.zeros(16))
+    assert NEG_INF_FLOOR == -1e4
+
+
+def test_tree_build_zero_budget_and_padding(ops):
+    lp, ids = stage_a_inputs(6, 15, 300, 40, seed=6)
+    gpu_vs_cpu(ops, lp, ids, np.array([0, 1, 40, 0, 7, 39]), np.arange(6), np.arange(6), d_max=45)
+
+
+def test_tree_build_status_flags(ops):
+    lp, ids = stage_a_inputs(3, 15, 100, 16, seed=7)
+    lp[1, 4, 2] = float("nan")
+    budgets = torch.tensor([16, 16, 16], dtype=torch.int32, device=DEV)
+    got = ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), budgets, d_max=9)
+    st = got.status.cpu().tolist()
+    assert st[1] & ops.STATUS_NAN_INPUT and got.node_counts[1].item() == 0
+    assert st[0] == ops.STATUS_BUDGET_CLAMPED and got.node_counts[0].item() == 8
+    with pytest.raises(InputError, match="top_logprobs: NaN"):
+        got.raise_on_status()
+
+
+def test_tree_build_argument_errors(ops):
+    lp, ids = stage_a_inputs(2, 15, 100, 16, seed=8)
+    b = torch.tensor([4, 4], dtype=torch.int32, device=DEV)
+    with pytest.raises(InputError, match="top_logprobs: expected a CUDA tensor"):
+        ops.build_trees_gpu(lp, ids.to(DEV), b)
+    with pytest.raises(InputError, match="top_ids: expected dtype torch.int64"):
+        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV).int(), b)
+    with pytest.raises(InputError, match=r"budgets: expected shape \[2\]"):
+        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), b[:1])
+    with pytest.raises(InputError, match="d_max: expected"):
+        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), b, d_max=2000)
+
+
+# ---------------------------------------------------------------- accept
+def random_accept_case(rng, B, budget, V=40):
+    lp, ids = stage_a_inputs(B, 15, V, budget, seed=int(rng.integers(1 << 30)), coarse_fraction=0.5)
+    tb = build_trees(lp, ids, np.full(B, budget), root_tokens=rng.integers(0, V, B))
+    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
+    follow = rng.random(B) < 0.8
+    for b in range(B):   # follow the first child most of the time, sometimes to full depth
+        for i in range(tb.D):
+            c = tb.next_token[b, i]
+            if follow[b] and c != -1 and rng.random() < 0.9:
+                target[b, i] = tb.tokens[b, c]
+    return tb, target
+
+
+@pytest.mark.parametrize("B,budget", [(1, 1), (7, 16), (64, 64), (256, 256), (33, 1024)])
+def test_tree_accept_matches_cpu(ops, B, budget):
+    rng = np.random.default_rng(B + budget)
+    tb, target = random_accept_case(rng, B, budget)
+    want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, 15)
+    t = lambda a: torch.as_tensor(a).to(DEV)
+    got = ops.tree_accept(t(tb.tokens), t(tb.next_token), t(tb.next_sibling), t(target), 15)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
+    assert B < 7 or (want[1].max() >= 1 and (want[1] == 0).any())  # both outcomes exercised
+
+
+def test_tree_accept_full_depth_chain(ops):
+    D = 16
+    cand = torch.arange(D, dtype=torch.int64).repeat(3, 1)
+    nt = torch.cat([torch.arange(1, D), torch.tensor([-1])]).repeat(3, 1)
+    ns = torch.full((3, D), -1, dtype=torch.int64)
+    target = torch.cat([torch.arange(1, D), torch.tensor([99])]).repeat(3, 1)
+    target[1, 0] = 55          # request 1: nothing accepted
+    target[2, 7] = 55          # request 2: stops after 7
+    idx, alen, bonus = ops.tree_accept(cand.to(DEV), nt.to(DEV), ns.to(DEV), target.to(DEV), 15)
+    assert alen.tolist() == [15, 0, 7] and bonus.tolist() == [99, 55, 55]
+    assert idx[0].tolist() == list(range(16))
+    assert idx[1].tolist() == [D] + [-1] * 15
+
+
+# ---------------------------------------------------------------- attention
+def check_attention(ops, case, num_splits=None, bits=False):
+    vis = case.visibility
+    if bits:
+        vis = torch.from_numpy(pack_visibility(vis.cpu().numpy())).to(DEV)
+    B, D, H, _ = case.q.shape
+    out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((B, D, H), float("nan"), dtype=torch.float32, device=DEV)
+    ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, SCALE,
+                         num_splits=num_splits, out=out, lse=lse)
+    ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                        case.visibility, SCALE)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    rel = (out.double() - ref_o).norm() / ref_o.norm()
+    assert rel <= 5e-3, float(rel)
+    assert (lse.double() - ref_l).abs().max() <= 1e-3
+    return float(rel)
+
+
+ATTN_GRID = [
+    # prefixes (ragged, P = 0, non-multiples of tile and page), D, H, page size
+    ([0, 1, 37, 300], 1, 8, 64),
+    ([0, 5, 64, 129], 16, 8, 1),
+    ([1000, 0, 31, 2049], 16, 16, 64),
+    ([513, 77], 64, 8, 64),
+    ([250, 4100], 5, 64, 1),
+    ([3000], 257, 8, 64),
+    ([0, 200], 1025, 8, 64),
+    ([100], 1025, 16, 1),
+    ([8192, 70], 33, 64, 64),
+]
+
+
+@pytest.mark.parametrize("prefixes,D,H,page", ATTN_GRID)
+def test_verify_attention_matches_reference(ops, prefixes, D, H, page):
+    case = paged_case(prefixes, D, H, page, seed=D * 7 + H + page, device=DEV)
+    check_attention(ops, case)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("bits", [False, True])
+def test_verify_attention_splits_and_bitmask(ops, num_splits, bits):
+    case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
+    check_attention(ops, case, num_splits=num_splits, bits=bits)
+
+
+def test_verify_attention_with_built_tree_mask(ops):
+    budgets = np.array([63, 10, 1, 63])
+    tb = build_trees(*stage_a_inputs(4, 15, 1000, 63, seed=3), budgets)
+    case = paged_case([100, 2000, 0, 64], tb.D, 16, 1, seed=4, visibility=tb.visibility, device=DEV)
+    check_attention(ops, case)
+
+
+def test_verify_attention_argument_errors(ops):
+    case = paged_case([10], 4, 8, 64, seed=0, device=DEV)
+    with pytest.raises(InputError, match="q: expected dtype torch.bfloat16"):
+        ops.verify_attention(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
+    with pytest.raises(InputError, match="visibility: expected shape"):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility[:, :2], SCALE)
+    with pytest.raises(InputError, match="scale: expected a positive float"):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, 0)
+
+
+# ---------------------------------------------------------------- one round in one graph
+def test_round_captures_in_one_cuda_graph(ops):
+    B, L, V, budget, H, page = 8, 15, 500, 32, 8, 64
+    D = budget + 1
+    rng = np.random.default_rng(0)
+
+    def inputs(seed):
+        lp, ids = stage_a_inputs(B, L, V, budget, seed=seed)
+        case = paged_case(list(rng.integers(0, 3000, B)), D, H, page, seed=seed, device=DEV)
+        target = torch.as_tensor(rng.integers(0, V, (B, D)), device=DEV)
+        return lp.to(DEV), ids.to(DEV), case, target
+
+    lp, ids, case, target = inputs(1)
+    budgets = torch.full((B,), budget, dtype=torch.int32, device=DEV)
+    static = dict(lp=lp.clone(), ids=ids.clone(), q=case.q.clone(), target=target.clone())
+
+    def round_(s):
+        trees = ops.build_trees_gpu(s["lp"], s["ids"], budgets, d_max=D)
+        out, lse = ops.verify_attention(case.q if s is None else s["q"], case.kv_cache, case.block_table,
+                                        case.seq_lens, trees.visibility_bits, SCALE, num_splits=4)
+        acc = ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, s["target"], L)
+        return trees, out, lse, acc
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        round_(static)   # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = round_(static)
+    for seed in (2, 3):
+        lp, ids, case2, target = inputs(seed)
+        static["lp"].copy_(lp); static["ids"].copy_(ids); static["target"].copy_(target)
+        static["q"].copy_(case2.q)
+        g.replay()
+        torch.cuda.synchronize()
+        eager = round_(dict(lp=lp, ids=ids, q=case2.q, target=target))
+        assert torch.equal(captured[0].tokens, eager[0].tokens)
+        assert torch.equal(captured[0].visibility_bits, eager[0].visibility_bits)
+        assert torch.equal(captured[1], eager[1]) and torch.equal(captured[2], eager[2])
+        for a, b in zip(captured[3], eager[3]):
+            assert torch.equal(a, b)
