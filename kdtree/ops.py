@@ -128,8 +128,8 @@ def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=N
         _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
     if root_tokens is not None:
         _tensor("root_tokens", root_tokens, torch.int64, (B,), dev)
-    if L > 32767:
-        raise InputError(f"top_logprobs: expected L <= 32767 positions, got {L}")
+    if L > 2047:
+        raise InputError(f"top_logprobs: expected L <= 2047 positions, got {L}")
     if d_max is None:
         d_max = int(budgets.max().clamp(min=0)) + 1 if B else 1  # host sync, documented
     if not 1 <= d_max <= MAX_BUDGET + 1:
@@ -149,6 +149,7 @@ def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=N
 
 
 def _alloc_trees(B, D, dev, visibility=True, visibility_bits=True) -> GpuTrees:
+    W = (D + 31) // 32
     i64 = dict(dtype=torch.int64, device=dev)
     return GpuTrees(
         node_counts=torch.empty(B, dtype=torch.int32, device=dev),

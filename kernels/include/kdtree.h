@@ -17,6 +17,7 @@ extern "C" {
 #define KD_STATUS_BUDGET_CLAMPED 1   // budget > D-1: built with D-1 nodes
 #define KD_STATUS_NAN_INPUT 2        // NaN or +inf in top_logprobs: tree left root-only
 
+
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.

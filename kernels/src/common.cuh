@@ -9,6 +9,8 @@
 #define KD_LAUNCH_CHECK() \
   do { cudaError_t e_ = cudaGetLastError(); if (e_ != cudaSuccess) return (int)e_; } while (0)
 
+#define KD_HD __host__ __device__ inline
+
 namespace kd {
 
 constexpr int QK_DIM = 576;     // latent (512) + rope (64)

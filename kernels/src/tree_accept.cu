@@ -19,7 +19,8 @@ __global__ void tree_accept_kernel(const int64_t* __restrict__ candidates,
   int cur = 0, k = 0;
   int64_t want = target[row];
   int64_t child = next_token[row];
-  while (child >= 0 && child < D && k < max_depth) {
+  // Each step visits a new slot; the cap keeps a cyclic (corrupt) link list from hanging.
+  for (int steps = 0; child >= 0 && child < D && k < max_depth && steps < D; ++steps) {
     if (candidates[row + child] == want) {
       cur = (int)child;
       idx[++k] = (int32_t)(row + cur);
