@@ -1,0 +1,135 @@
+"""`python -m kdtree ...`: the commands the Snakemake rules call (and people, too)."""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from .provenance import ROOT
+
+DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
+    "tree_build": {"batches": [1, 4, 16], "budgets": [16, 64, 256], "L": 15, "vocab": 32000, "seed": 0,
+                   "cpu_reps": 3, "cpu_max_seconds": 5.0, "gpu_replays": 20, "gpu_mem_cap_gb": 8.0},
+    "tree_accept": {"batches": [1, 16], "slots": [17, 65], "L": 15, "seed": 0, "cpu_reps": 3,
+                    "cpu_max_seconds": 5.0, "gpu_replays": 20},
+    "verify_attn": {"heads": [8], "slots": [16], "prefixes": [4096], "batches": [16], "page_sizes": [64],
+                    "scale": 0.130861, "seed": 0, "gpu_replays": 20, "graph_inner": 5,
+                    "gpu_mem_cap_gb": 8.0, "sdpa_max_elems": 2e9},
+}
+
+
+def _cfg(args, section: str) -> dict:
+    cfg = dict(DEFAULTS[section])
+    if args.cfg_json:
+        cfg.update(json.loads(args.cfg_json))
+    return cfg
+
+
+def cmd_build(args):
+    from .build import DEFAULT_ARCHS, build
+    path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs)
+    print(path)
+
+
+def cmd_sweep(args):
+    from .gpu import cuda_available
+    if args.library:
+        import os
+        os.environ["KDTREE_LIB"] = str(pathlib.Path(args.library).resolve())
+    if args.which == "tree-build":
+        from .sweeps import tree_build as m
+        df = m.run(_cfg(args, "tree_build"), args.out, gpu=None if not args.cpu_only else False,
+                   library=args.library)
+    elif args.which == "tree-accept":
+        from .sweeps import tree_accept as m
+        df = m.run(_cfg(args, "tree_accept"), args.out, gpu=None if not args.cpu_only else False,
+                   library=args.library)
+    else:
+        if not cuda_available():
+            sys.exit("sweep verify-attn: needs a CUDA device (none found); the pipeline skips it on CPU")
+        from .sweeps import verify_attn as m
+        df = m.run(_cfg(args, "verify_attn"), args.out, library=args.library)
+    bad = df[df.status != "ok"] if "status" in df else df.iloc[0:0]
+    print(f"{args.which}: {len(df)} rows -> {args.out}"
+          + (f" ({len(bad)} not ok: {sorted(set(bad.status))})" if len(bad) else ""))
+
+
+def cmd_test_gpu(args):
+    from .gpu_tests import run_gpu_tests
+    sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args))
+
+
+def cmd_figures(args):
+    from .figures import render_all
+    skipped = render_all(args.results, args.out)
+    for s in skipped:
+        print(f"figures: skipped {s}")
+
+
+def cmd_report(args):
+    from .figures import render_all
+    from .report import render
+    skipped = render_all(args.results, args.figures) if args.figures else []
+    render(args.results, args.out, skipped + list(args.note or []))
+    print(f"report -> {args.out}")
+
+
+def cmd_probe(args):
+    from .probe import main as probe_main
+    sys.exit(probe_main(args))
+
+
+def cmd_info(args):
+    from .gpu import cuda_available
+    import torch
+    print(f"torch {torch.__version__}; CUDA device: "
+          f"{torch.cuda.get_device_name(0) if cuda_available() else 'none'}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kdtree", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build libkdtree with ninja")
+    b.add_argument("--build-dir", default=ROOT / "build" / "kernels")
+    b.add_argument("--archs", nargs="*", help="e.g. sm_90a sm_120 compute_90")
+    b.add_argument("--jobs", type=int)
+    b.set_defaults(fn=cmd_build)
+    s = sub.add_parser("sweep", help="run one kernel sweep into Parquet")
+    s.add_argument("which", choices=["tree-build", "tree-accept", "verify-attn"])
+    s.add_argument("--out", required=True)
+    s.add_argument("--cfg-json", help="the sweep's config section as JSON")
+    s.add_argument("--library", help="libkdtree.so to use (default: build/kernels)")
+    s.add_argument("--cpu-only", action="store_true", help="skip GPU rows even if a GPU is present")
+    s.set_defaults(fn=cmd_sweep)
+    t = sub.add_parser("test-gpu", help="run the GPU test suite, outcomes to Parquet")
+    t.add_argument("--out", required=True)
+    t.add_argument("--library")
+    t.add_argument("pytest_args", nargs="*")
+    t.set_defaults(fn=cmd_test_gpu)
+    f = sub.add_parser("figures", help="render figures from the Parquet in a results folder")
+    f.add_argument("--results", required=True)
+    f.add_argument("--out")
+    f.set_defaults(fn=cmd_figures)
+    r = sub.add_parser("report", help="Markdown report from the Parquet in a results folder")
+    r.add_argument("--results", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--figures", help="also (re)render figures into this folder")
+    r.add_argument("--note", action="append", help="a line for the report's 'not rendered' list")
+    r.set_defaults(fn=cmd_report)
+    pr = sub.add_parser("probe", help="measure a live SGLang service (read-only, bounded)")
+    from .probe import add_arguments
+    add_arguments(pr)
+    pr.set_defaults(fn=cmd_probe)
+    i = sub.add_parser("info", help="what this machine has")
+    i.set_defaults(fn=cmd_info)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    args.fn(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""Seaborn figures, a function of the Parquet files alone (no GPU, no kernels needed)."""
+from __future__ import annotations
+
+import pathlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from .provenance import ROOT  # noqa: E402
+
+
+def _ok(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["status"] == "ok"] if "status" in df else df
+
+
+def _gpu_label(df: pd.DataFrame) -> str:
+    names = sorted({g for g in df.get("gpu_name", pd.Series(dtype=str)).fillna("") if g})
+    return ", ".join(names) if names else "no GPU"
+
+
+def _save(fig, path):
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def _placeholder(path, title: str, why: str):
+    fig, ax = plt.subplots(figsize=(6, 2))
+    ax.axis("off")
+    ax.text(0.5, 0.6, title, ha="center", fontsize=12, weight="bold")
+    ax.text(0.5, 0.3, why, ha="center", fontsize=9, wrap=True)
+    _save(fig, path)
+
+
+def tree_build(df: pd.DataFrame, path):
+    d = _ok(df)
+    cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
+    gpu = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
+    lat = d[(d.impl == "gpu_kernel") & (d.metric == "caller_latency")][["batch", "budget", "median_us"]]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    long = pd.concat([cpu.assign(impl="CPU heapq (reference)"), gpu.assign(impl="GPU kernel, device time"),
+                      lat.assign(impl="GPU kernel, caller latency")])
+    sns.lineplot(long, x="budget", y="median_us", hue="batch", style="impl", marker="o", ax=axes[0],
+                 palette="viridis")
+    axes[0].set(xscale="log", yscale="log", ylabel="time per batch (us)", title="Tree build time")
+    if gpu.empty:
+        axes[1].axis("off")
+        axes[1].text(0.5, 0.5, "GPU rows skipped: no CUDA device in this run", ha="center")
+    else:
+        m = cpu.merge(gpu, on=["batch", "budget"], suffixes=("_cpu", "_gpu"))
+        m["speedup"] = m.median_us_cpu / m.median_us_gpu
+        sns.barplot(m, x="budget", y="speedup", hue="batch", ax=axes[1], palette="viridis")
+        axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build")
+    fig.suptitle(f"DDTree build, L={int(df.L.iloc[0])} ({_gpu_label(df)})")
+    _save(fig, path)
+
+
+def verify_attn(df: pd.DataFrame, path):
+    d = _ok(df)
+    if d.empty:
+        return _placeholder(path, "Tree-verify attention", "no measured rows")
+    d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    k = d[d.impl == "kdtree_kernel"]
+    sns.scatterplot(k, x="floor_us", y="median_us", hue="shape", style="batch", s=60, ax=axes[0])
+    lo, hi = k.floor_us.min() * 0.8, max(k.median_us.max(), k.floor_us.max()) * 1.2
+    axes[0].plot([lo, hi], [lo, hi], "k--", lw=1, label="roofline floor")
+    axes[0].set(xscale="log", yscale="log", xlabel="roofline floor (us)", ylabel="measured (us)",
+                title="Kernel time against the roofline floor")
+    axes[0].legend(fontsize=7, ncol=2)
+    sns.barplot(d, x="shape", y="roofline_fraction", hue="impl", ax=axes[1], errorbar=None)
+    axes[1].set(ylabel="floor / time (1 = at the roofline)", title="Achieved fraction, all P and B")
+    axes[1].tick_params(axis="x", rotation=45)
+    fig.suptitle(f"MLA tree-verify attention, bf16 ({_gpu_label(df)})")
+    _save(fig, path)
+
+
+def tree_accept(df: pd.DataFrame, path):
+    d = _ok(df)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    sns.lineplot(d, x="batch", y="median_us", hue="impl", style="D", marker="o", ax=ax)
+    ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
+           title=f"Greedy tree accept ({_gpu_label(df)})")
+    _save(fig, path)
+
+
+def step_breakdown(table: pd.DataFrame, path):
+    """Stacked bars: where a verify step's time goes, today (CPU build + walk) vs with the kernels."""
+    if table.empty:
+        return _placeholder(path, "Whole-step breakdown", "needs probe data and kernel sweeps")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    piv = table.pivot_table(index="scenario", columns="component", values="ms", aggfunc="sum")
+    piv.plot(kind="barh", stacked=True, ax=ax, colormap="tab20c")
+    ax.set(xlabel="ms per verify step", ylabel="", title="Where a decode step goes (Amdahl projection)")
+    _save(fig, path)
+
+
+def render_all(results_dir, fig_dir=None) -> list[str]:
+    """Render every figure the Parquet files in results_dir support; returns what it skipped."""
+    results_dir = pathlib.Path(results_dir)
+    fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
+    skipped = []
+    for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept)):
+        p = results_dir / f"{name}.parquet"
+        if p.exists():
+            fn(pd.read_parquet(p), fig_dir / f"{name}.png")
+        else:
+            skipped.append(f"{name}: {p} not found")
+    from .breakdown import breakdown_table
+    bt = breakdown_table(results_dir)
+    if bt is not None:
+        step_breakdown(bt, fig_dir / "step_breakdown.png")
+    else:
+        skipped.append("step_breakdown: needs probe.parquet and tree_build.parquet")
+    return skipped

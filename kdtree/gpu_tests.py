@@ -1,0 +1,46 @@
+"""Run the GPU test suite under pytest and keep its outcomes as Parquet rows."""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+
+import pandas as pd
+
+from .provenance import ROOT, new_run_id, provenance
+from .results import write_parquet_atomic
+
+
+def junit_rows(xml_path) -> list[dict]:
+    rows = []
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = case.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
+                message = (el.get("message") or "")[:500]
+        rows.append({"test_id": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                     "duration_s": float(case.get("time") or 0.0), "message": message})
+    return rows
+
+
+def run_gpu_tests(out, library=None, extra_args=()) -> int:
+    env = dict(os.environ)
+    if library:
+        env["KDTREE_LIB"] = str(pathlib.Path(library).resolve())
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = pathlib.Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests"),
+               f"--junitxml={xml}", *extra_args]
+        rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+        rows = junit_rows(xml) if xml.exists() else [
+            {"test_id": "<session>", "outcome": "error", "duration_s": 0.0, "message": f"pytest exit {rc}"}]
+    prov = provenance(new_run_id(), {}, library)
+    write_parquet_atomic(pd.DataFrame([dict(r, **prov) for r in rows]), out)
+    counts = pd.Series([r["outcome"] for r in rows]).value_counts().to_dict()
+    print(f"test-gpu: {counts} -> {out}")
+    return 0 if rc in (0, 5) else rc

@@ -1,0 +1,59 @@
+"""A short Markdown report with the key tables, from the Parquet files alone."""
+from __future__ import annotations
+
+import pathlib
+
+import pandas as pd
+
+from .breakdown import breakdown_table
+
+
+def _md(df: pd.DataFrame, floatfmt=".3g") -> str:
+    return df.to_markdown(index=False, floatfmt=floatfmt) if not df.empty else "_no rows_"
+
+
+def render(results_dir, out_path, skipped: list[str] | None = None) -> str:
+    rd = pathlib.Path(results_dir)
+    parts = ["# kdtree results", ""]
+    prov_src = None
+    for name in ("tree_build", "verify_attn", "tree_accept", "probe"):
+        p = rd / f"{name}.parquet"
+        if p.exists():
+            prov_src = pd.read_parquet(p)
+            break
+    if prov_src is not None and not prov_src.empty:
+        r = prov_src.iloc[0]
+        parts += [f"Measured {r.utc_time} on `{r.host}` ({r.gpu_name or 'no GPU'}, driver {r.driver or '-'}, "
+                  f"CPU {r.cpu_model}), commit `{r.git_commit[:10]}`{' (dirty)' if r.git_dirty else ''}, "
+                  f"torch {r.torch_version}.", ""]
+    tb = rd / "tree_build.parquet"
+    if tb.exists():
+        d = pd.read_parquet(tb)
+        d = d[d.status == "ok"]
+        piv = d.pivot_table(index=["batch", "budget"], columns=["impl", "metric"], values="median_us")
+        piv.columns = [f"{a} {b} (us)" for a, b in piv.columns]
+        parts += ["## Tree build (median per batch)", "", _md(piv.reset_index()), ""]
+    va = rd / "verify_attn.parquet"
+    if va.exists():
+        d = pd.read_parquet(va)
+        d = d[d.status == "ok"]
+        cols = ["heads", "D", "prefix", "batch", "page_size", "impl", "median_us", "floor_us", "roofline_fraction"]
+        parts += ["## Tree-verify attention", "", _md(d[cols].sort_values(cols[:6])), ""]
+    ta = rd / "tree_accept.parquet"
+    if ta.exists():
+        d = pd.read_parquet(ta)
+        d = d[d.status == "ok"]
+        piv = d.pivot_table(index=["batch", "D"], columns="impl", values="median_us")
+        parts += ["## Tree accept (median per batch, us)", "", _md(piv.reset_index()), ""]
+    bt = breakdown_table(rd)
+    if bt is not None:
+        parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "", _md(bt), ""]
+    if skipped:
+        parts += ["## Not rendered", ""] + [f"- {s}" for s in skipped] + [""]
+    text = "\n".join(parts)
+    out = pathlib.Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(out)
+    return text

@@ -1,0 +1,1 @@
+"""Kernel sweeps: each writes one Parquet of rows with provenance, resumable point by point."""

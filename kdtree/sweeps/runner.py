@@ -1,0 +1,44 @@
+"""The loop every sweep shares: resume, progress, one failed point = one recorded row."""
+from __future__ import annotations
+
+import json
+import traceback
+
+from tqdm import tqdm
+
+from ..gpu import MemoryBudgetError
+from ..provenance import new_run_id, provenance
+from ..results import ResumableSweep
+
+
+def point_id(point: dict) -> str:
+    return json.dumps(point, sort_keys=True)
+
+
+def run_sweep(name: str, points: list[dict], measure, out_path, cfg: dict, library=None,
+              extra: dict | None = None):
+    """measure(point) -> list of row dicts. Writes `out_path` when every point is done."""
+    sweep = ResumableSweep(out_path)
+    done = sweep.done()
+    run_id = new_run_id()
+    todo = [p for p in points if point_id(p) not in done]
+    if done:
+        print(f"{name}: resuming, {len(points) - len(todo)} of {len(points)} points already done")
+    for p in tqdm(todo, desc=name, unit="pt"):
+        prov = provenance(run_id, cfg, library)
+        try:
+            rows = measure(p)
+        except MemoryBudgetError as e:
+            rows = [dict(p, status="skipped", reason=str(e))]
+        except Exception as e:  # a failed point is a recorded row, not a crash
+            rows = [dict(p, status="error", reason=f"{type(e).__name__}: {e}",
+                         traceback=traceback.format_exc(limit=3))]
+        for r in rows:
+            r.setdefault("status", "ok")
+            r.setdefault("reason", "")
+            r["point"] = point_id(p)
+            r["sweep"] = name
+            r.update(extra or {})
+            r.update(prov)
+        sweep.add(rows)
+    return sweep.finish()

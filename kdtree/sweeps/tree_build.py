@@ -1,0 +1,70 @@
+"""CPU (the reference heapq build, SGLang's builder if present) against the GPU kernel."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from ..gpu import cuda_available, ensure_fits
+from ..timing import time_cpu, time_eager_latency, time_graph
+from ..tree import build_tree
+from ..workloads import stage_a_inputs
+from .runner import run_sweep
+
+
+def sglang_builder():
+    """SGLang's own DDTree builder, if this environment has one (else None)."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    for mod, attr in (("sglang.srt.speculative.ddtree_utils", "build_ddtree_tree"),
+                      ("sglang.srt.speculative.ddtree", "build_ddtree_tree")):
+        try:
+            m = importlib.import_module(mod)
+            return getattr(m, attr)
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
+    B, budget, L, V = p["batch"], p["budget"], cfg["L"], cfg["vocab"]
+    lp, ids = stage_a_inputs(B, L, V, budget, seed=cfg["seed"] + B * 7919 + budget)
+    lp_np, ids_np = lp.numpy(), ids.numpy()
+    rows = []
+    cpu = time_cpu(lambda: [build_tree(lp_np[b], ids_np[b], budget) for b in range(B)],
+                   reps=cfg["cpu_reps"], max_seconds=cfg["cpu_max_seconds"])
+    rows.append(dict(p, impl="cpu_heapq", metric="batch_time", **cpu))
+    sg = sglang_builder()
+    rows.append(dict(p, impl="sglang", metric="batch_time", status="not_available",
+                     reason="sglang not importable or has no DDTree builder") if sg is None else
+                dict(p, impl="sglang", metric="batch_time", status="not_available",
+                     reason="sglang builder found; its signature is not wired up yet"))
+    if not gpu:
+        rows.append(dict(p, impl="gpu_kernel", metric="device_time", status="skipped",
+                         reason="no CUDA device"))
+        return rows
+    import torch
+
+    from .. import ops
+
+    D = budget + 1
+    ensure_fits(B * (D * D * 2 + D * 64) + lp.numel() * 12, cfg["gpu_mem_cap_gb"])
+    lp_d, ids_d = lp.cuda(), ids.cuda()
+    budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
+    out = ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D)
+    fn = lambda: ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D, out=out)
+    dev = time_graph(fn, replays=cfg["gpu_replays"])
+    lat = time_eager_latency(fn, reps=cfg["gpu_replays"])
+    tiny = torch.zeros(1, device="cuda")
+    empty = time_eager_latency(lambda: tiny.add_(0), reps=cfg["gpu_replays"])
+    rows.append(dict(p, impl="gpu_kernel", metric="device_time", **dev))
+    rows.append(dict(p, impl="gpu_kernel", metric="caller_latency", **lat))
+    rows.append(dict(p, impl="torch_tiny_op", metric="caller_latency", **empty))
+    return rows
+
+
+def run(cfg: dict, out_path, gpu: bool | None = None, library=None):
+    gpu = cuda_available() if gpu is None else gpu
+    points = [{"batch": int(B), "budget": int(b)} for B in cfg["batches"] for b in cfg["budgets"]]
+    return run_sweep("tree_build", points, lambda p: measure_point(p, cfg, gpu), out_path, cfg,
+                     library if gpu else None, extra={"L": cfg["L"], "vocab": cfg["vocab"]})

@@ -1,0 +1,106 @@
+"""Tree-verify attention: the kernel against torch SDPA with a tree mask, beside the roofline."""
+from __future__ import annotations
+
+import math
+
+from ..attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
+from ..gpu import ensure_fits, measure_ceilings
+from ..timing import time_events, time_graph
+from .runner import run_sweep
+
+SPEC_BW = 4.3e12       # bytes/s (spec verify_attention.md, measured copy on an H200)
+SPEC_FLOPS = 790e12    # bf16 FLOP/s
+
+
+def floor_us(B, D, H, P) -> float:
+    return max(attention_bytes(B, D, H, P) / SPEC_BW, attention_flops(B, D, H, P) / SPEC_FLOPS) * 1e6
+
+
+def gpu_case(B, D, H, P, page, seed):
+    """Paged cache, shuffled block table and random tree masks, made on the GPU."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    S = P + D
+    per = math.ceil(S / page)
+    num_pages = B * per + 1
+    cache = torch.randn(num_pages, page, QK_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache[-1] = float("nan")   # a poisoned spare page that no live row points at
+    table = torch.randperm(num_pages - 1, device="cuda", generator=g)[:B * per].view(B, per).int()
+    q = torch.randn(B, D, H, QK_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    vis = torch.zeros(B, D, D, dtype=torch.bool, device="cuda")
+    for i in range(D):
+        if i:
+            p = torch.randint(max(0, i - 8), i, (B,), device="cuda", generator=g)
+            vis[:, i] = vis[torch.arange(B, device="cuda"), p]
+        vis[:, i, i] = True
+    return q, cache, table, seq, vis
+
+
+def sdpa_baseline(q, cache, table, seq, vis, scale):
+    """What a user would write: gather the latent rows, fold heads into query rows, SDPA with a mask."""
+    import torch
+    import torch.nn.functional as F
+
+    B, D, H, _ = q.shape
+    page = cache.shape[1]
+    S = int(seq[0])
+    pos = torch.arange(S, device="cuda")
+    kv = cache[table.long()[:, pos // page], pos % page]            # [B, S, 576]
+    mask = torch.ones(B, D, S, dtype=torch.bool, device="cuda")
+    mask[:, :, S - D:] = vis
+    mask = mask[:, :, None, :].expand(B, D, H, S).reshape(B, 1, D * H, S)
+    qf = q.reshape(B, 1, D * H, QK_DIM)
+    k, v = kv[:, None], kv[:, None, :, :LATENT_DIM]
+    return lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+
+
+def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
+    import torch
+
+    from .. import ops
+
+    B, D, H, P, page = p["batch"], p["D"], p["heads"], p["prefix"], p["page_size"]
+    S = P + D
+    need = (B * (math.ceil(S / page) + 1) * page * QK_DIM * 2 + B * D * H * (QK_DIM + LATENT_DIM) * 2
+            + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
+    ensure_fits(need, cfg["gpu_mem_cap_gb"])
+    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P)
+    scale = cfg["scale"]
+    out, lse = ops.verify_attention(q, cache, table, seq, vis, scale)
+    fn = lambda: ops.verify_attention(q, cache, table, seq, vis, scale, out=out, lse=lse)
+    t = time_graph(fn, replays=cfg["gpu_replays"], inner=cfg["graph_inner"])
+    fl = floor_us(B, D, H, P)
+    nbytes = attention_bytes(B, D, H, P)
+    base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), **ceilings)
+    rows = [dict(base, impl="kdtree_kernel", roofline_fraction=fl / t["median_us"],
+                 copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
+                 num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda"), **t)]
+    sdpa_elems = B * D * H * S
+    if sdpa_elems > cfg["sdpa_max_elems"]:
+        rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped",
+                         reason=f"scores of {sdpa_elems:.3g} elements exceed sdpa_max_elems"))
+    else:
+        try:
+            f = sdpa_baseline(q, cache, table, seq, vis, scale)
+            ts = time_events(f, reps=max(3, cfg["gpu_replays"] // 5))
+            rows.append(dict(base, impl="torch_sdpa_tree_mask", roofline_fraction=fl / ts["median_us"], **ts))
+        except torch.OutOfMemoryError as e:
+            rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped", reason=f"OOM: {e}"[:300]))
+        finally:
+            torch.cuda.empty_cache()
+    del q, cache, table, seq, vis, out, lse
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run(cfg: dict, out_path, library=None):
+    ceilings = measure_ceilings()
+    print(f"ceilings measured now: copy {ceilings['copy_gbps']:.0f} GB/s, "
+          f"bf16 {ceilings['bf16_tflops']:.0f} TFLOP/s")
+    points = [{"heads": int(h), "D": int(d), "prefix": int(pp), "batch": int(b), "page_size": int(ps)}
+              for h in cfg["heads"] for d in cfg["slots"] for pp in cfg["prefixes"]
+              for b in cfg["batches"] for ps in cfg["page_sizes"]]
+    return run_sweep("verify_attn", points, lambda p: measure_point(p, cfg, ceilings), out_path,
+                     cfg, library)

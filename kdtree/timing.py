@@ -1,0 +1,91 @@
+"""Timing helpers: CPU wall clock, CUDA events over CUDA-graph replays, eager latency.
+
+Warm-up first, then many repetitions; medians and spread go into the rows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+
+def summarize(samples_s: list[float]) -> dict:
+    s = sorted(samples_s)
+    return {"median_us": statistics.median(s) * 1e6, "min_us": s[0] * 1e6,
+            "p90_us": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e6, "reps": len(s)}
+
+
+def time_cpu(fn, reps: int = 5, warmup: int = 1, max_seconds: float = 10.0) -> dict:
+    """Wall time of fn(); stops early past max_seconds (at least one timed run)."""
+    for _ in range(warmup):
+        fn()
+    out, t_start = [], time.perf_counter()
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+        if time.perf_counter() - t_start > max_seconds:
+            break
+    return summarize(out)
+
+
+def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
+    """Device time per call: fn captured `inner` times into one CUDA graph, replays timed by events."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    samples = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(replays):
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / inner)
+    del g
+    return summarize(samples)
+
+
+def time_events(fn, reps: int = 20, warmup: int = 3) -> dict:
+    """Device time per eager call with CUDA events (for ops that cannot be captured)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return summarize(samples)
+
+
+def time_eager_latency(fn, reps: int = 50, warmup: int = 5) -> dict:
+    """What a caller sees: launch, then synchronize, on the host clock."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        samples.append(time.perf_counter() - t0)
+    return summarize(samples)
