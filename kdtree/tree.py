@@ -92,13 +92,12 @@ def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
     lp32, ids, budget = _check_stage_b(top_logprobs, top_ids, budget)
     L = lp32.shape[0]
     K = min(budget, lp32.shape[1])
-    tokens: list[int] = []
+    ranks: list[int] = []
     depths: list[int] = []
     parents: list[int] = [-1]
     scores: list[float] = []
     if budget > 0 and L > 0 and K > 0:
         lp = lp32.astype(np.float64).tolist()  # exact float32 values as Python floats
-        tok = ids.tolist()
         # (-score, path, parent, depth, rank): tuple order is the spec's pop order.
         heap = [(-lp[0][0], (0,), 0, 1, 0)]
         n = 0
@@ -106,7 +105,7 @@ def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
             neg, path, parent, depth, rank = heapq.heappop(heap)
             s = -neg
             n += 1
-            tokens.append(tok[depth - 1][rank])
+            ranks.append(rank)
             depths.append(depth)
             parents.append(parent)
             scores.append(s)
@@ -117,10 +116,11 @@ def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
             if depth < L:
                 heapq.heappush(heap, (-(s + lp[depth][0]), path + (0,), n, depth + 1, 0))
     parents_a = np.asarray(parents, dtype=np.int32)
+    depths_a = np.asarray(depths, dtype=np.int64)
     next_token, next_sibling = links_from_parents(parents_a)
     return Tree(
-        tokens=np.asarray(tokens, dtype=np.int64),
-        depths=np.asarray(depths, dtype=np.int64),
+        tokens=ids[depths_a - 1, np.asarray(ranks, dtype=np.int64)].astype(np.int64),
+        depths=depths_a,
         parents=parents_a,
         visibility=visibility_from_parents(parents_a),
         next_token=next_token,
@@ -130,15 +130,19 @@ def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
 
 
 def visibility_from_parents(parents: np.ndarray) -> np.ndarray:
-    """Row i is true at i and every ancestor of i (parents[i] < i)."""
+    """Row i is true at i and every ancestor of i (parents[i] < i): one vectorised
+    step per tree level instead of one row copy per node."""
     d = parents.shape[0]
     vis = np.zeros((d, d), dtype=bool)
-    for i in range(d):
-        p = int(parents[i])
-        if p >= 0:
-            vis[i] = vis[p]
-        vis[i, i] = True
-    return vis
+    up = np.where(parents < 0, 0, parents).astype(np.int64)  # the root is its own parent here
+    rows = np.arange(d)
+    anc = rows.copy()
+    while True:
+        vis[rows, anc] = True
+        nxt = up[anc]
+        if np.array_equal(nxt, anc):
+            return vis
+        anc = nxt
 
 
 def links_from_parents(parents: np.ndarray):
@@ -146,14 +150,15 @@ def links_from_parents(parents: np.ndarray):
     d = parents.shape[0]
     next_token = np.full(d, -1, dtype=np.int64)
     next_sibling = np.full(d, -1, dtype=np.int64)
-    last_child = {}
-    for i in range(1, d):
-        p = int(parents[i])
-        if p in last_child:
-            next_sibling[last_child[p]] = i
-        else:
-            next_token[p] = i
-        last_child[p] = i
+    if d > 1:
+        kids = np.arange(1, d)
+        order = kids[np.argsort(parents[1:], kind="stable")]   # by parent, then index
+        par = parents[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = par[1:] != par[:-1]
+        next_token[par[first]] = order[first]
+        same = ~first[1:]
+        next_sibling[order[:-1][same]] = order[1:][same]
     return next_token, next_sibling
 
 

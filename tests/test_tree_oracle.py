@@ -61,7 +61,7 @@ def test_against_bruteforce_oracle(seed):
 
 def check_structure(t, lp, budget):
     L, K0 = lp.shape
-    K = min(budget, K0)
+    K = max(0, min(budget, K0))
     reachable = sum(K ** d for d in range(1, L + 1))
     n = t.n
     assert n == min(max(budget, 0), reachable)
