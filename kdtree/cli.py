@@ -32,8 +32,22 @@ def cmd_build(args):
     print(path)
 
 
+def _require_tests(path):
+    import pandas as pd
+    t = pd.read_parquet(path)
+    bad = t[~t.outcome.isin(["passed", "skipped"])]
+    if len(bad):
+        sys.exit(f"refusing to time kernels that fail their tests: {len(bad)} failed in {path}, "
+                 f"e.g. {bad.test_id.iloc[0]}")
+
+
 def cmd_sweep(args):
+    if args.pin_gpu and not args.cpu_only:
+        from .gpu import claim_gpu
+        claim_gpu()
     from .gpu import cuda_available
+    if args.require_tests:
+        _require_tests(args.require_tests)
     if args.library:
         import os
         os.environ["KDTREE_LIB"] = str(pathlib.Path(args.library).resolve())
@@ -56,6 +70,9 @@ def cmd_sweep(args):
 
 
 def cmd_test_gpu(args):
+    if args.pin_gpu:
+        from .gpu import claim_gpu
+        claim_gpu()
     from .gpu_tests import run_gpu_tests
     sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args))
 
@@ -101,10 +118,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--cfg-json", help="the sweep's config section as JSON")
     s.add_argument("--library", help="libkdtree.so to use (default: build/kernels)")
     s.add_argument("--cpu-only", action="store_true", help="skip GPU rows even if a GPU is present")
+    s.add_argument("--pin-gpu", action="store_true", help="claim one free GPU on a multi-GPU node")
+    s.add_argument("--require-tests", help="test_correctness Parquet that must show no failures")
     s.set_defaults(fn=cmd_sweep)
     t = sub.add_parser("test-gpu", help="run the GPU test suite, outcomes to Parquet")
     t.add_argument("--out", required=True)
     t.add_argument("--library")
+    t.add_argument("--pin-gpu", action="store_true", help="claim one free GPU on a multi-GPU node")
     t.add_argument("pytest_args", nargs="*")
     t.set_defaults(fn=cmd_test_gpu)
     f = sub.add_parser("figures", help="render figures from the Parquet in a results folder")

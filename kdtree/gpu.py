@@ -45,3 +45,46 @@ def measure_ceilings(nbytes: int = 1 << 31, mm: int = 8192) -> dict:
     torch.cuda.empty_cache()
     return {"copy_gbps": nbytes / (copy["median_us"] * 1e-6) / 1e9,
             "bf16_tflops": 2 * mm ** 3 / (mmt["median_us"] * 1e-6) / 1e12}
+
+
+_CLAIM = None  # the open lock file of the GPU this process holds
+
+
+def claim_gpu(lock_dir=None) -> str | None:
+    """Pin this process to one free GPU (CUDA_VISIBLE_DEVICES) on a multi-GPU node.
+
+    Snakemake's `gpu` resource bounds how many GPU jobs run at once; this picks
+    which GPU each one gets, with a lock file per GPU. Call before CUDA is initialised.
+    Does nothing when CUDA_VISIBLE_DEVICES is already set or there is at most one GPU.
+    """
+    import fcntl
+    import os
+    import pathlib
+    import subprocess
+
+    global _CLAIM
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return os.environ["CUDA_VISIBLE_DEVICES"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    n = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+    if n <= 1:
+        return None
+    from .provenance import ROOT
+    lock_dir = pathlib.Path(lock_dir or ROOT / "build" / "gpu_locks")
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    while True:
+        for i in range(n):
+            f = open(lock_dir / f"gpu{i}.lock", "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.close()
+                continue
+            _CLAIM = f
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
+            return str(i)
+        import time
+        time.sleep(1.0)   # more GPU jobs than GPUs: wait for one to finish

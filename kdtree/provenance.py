@@ -25,8 +25,10 @@ def _git(*args: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _static() -> dict:
-    commit = _git("rev-parse", "HEAD") or "unknown"
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    # A copy of the tree without .git (a lent GPU machine, a container) is told its commit.
+    commit = _git("rev-parse", "HEAD") or os.environ.get("KDTREE_GIT_COMMIT", "unknown")
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) or \
+        os.environ.get("KDTREE_GIT_DIRTY", "") == "1"
     cpu = platform.processor() or ""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():

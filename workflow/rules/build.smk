@@ -1,0 +1,19 @@
+import glob
+import os
+
+
+rule build_kernels:
+    input:
+        sources=sorted(glob.glob("kernels/src/*")),
+        header="kernels/include/kdtree.h",
+        builder="kdtree/build.py",
+    output:
+        LIB,
+    log:
+        f"{RD}/logs/build_kernels.log",
+    params:
+        build_dir=lambda wc, output: os.path.dirname(output[0]),
+        archs=" ".join(config["build"]["archs"]),
+    threads: workflow.cores
+    shell:
+        "python3 -m kdtree build --build-dir {params.build_dir} --archs {params.archs} --jobs {threads} > {log} 2>&1"

@@ -1,0 +1,87 @@
+# Targets follow the machine and the config: what cannot run here is said, not failed.
+import json
+import shlex
+
+
+def _use_gpu():
+    if config["gpu"] is False:
+        return False, "gpu: false in config"
+    try:
+        import torch
+        ok = torch.cuda.is_available()
+    except ImportError:
+        ok = False
+    if config["gpu"] is True and not ok:
+        raise WorkflowError("config says gpu: true, but torch sees no CUDA device")
+    return ok, "" if ok else "no CUDA device visible to torch"
+
+
+def _have_nvcc():
+    try:
+        from kdtree.build import find_nvcc
+        find_nvcc()
+        return True
+    except RuntimeError:
+        return False
+
+
+RD = config["results_dir"].rstrip("/")
+LIB = f"{config['build']['build_dir'].rstrip('/')}/libkdtree.so"
+GPU, NO_GPU_WHY = _use_gpu()
+NVCC = _have_nvcc()
+PROBE = bool(config["probe"]["url"])
+SKIPPED = []
+if not GPU:
+    SKIPPED.append(f"GPU rules (test_correctness, sweep_verify_attn, GPU rows of the sweeps): {NO_GPU_WHY}")
+if not NVCC:
+    SKIPPED.append("build_kernels: nvcc not found (CUDA 13 on PATH or CUDA_HOME)")
+if not PROBE:
+    SKIPPED.append("probe_service: no probe.url in config")
+
+
+def sweep_json(section):
+    cfg = dict(config[section])
+    cfg["gpu_mem_cap_gb"] = config["gpu_mem_cap_gb"]
+    return shlex.quote(json.dumps(cfg, sort_keys=True))
+
+
+def parquet_targets():
+    t = [f"{RD}/tree_build.parquet", f"{RD}/tree_accept.parquet"]
+    if GPU:
+        t += [f"{RD}/test_correctness.parquet", f"{RD}/verify_attn.parquet"]
+    if PROBE:
+        t += [f"{RD}/probe.parquet"]
+    return t
+
+
+def figure_names():
+    names = ["tree_build", "tree_accept"]
+    if GPU:
+        names.append("verify_attn")
+    if PROBE:
+        names.append("step_breakdown")
+    return names
+
+
+def all_targets():
+    t = parquet_targets() + [f"{RD}/report.md"]
+    if NVCC:
+        t.append(LIB)
+    return t
+
+
+def skipped_notes():
+    return " ".join(f"--note {shlex.quote(s)}" for s in SKIPPED)
+
+
+onstart:
+    for s in SKIPPED:
+        print(f"kdtree: skipped {s}")
+
+
+def gpu_inputs():
+    return {"lib": LIB, "tests": f"{RD}/test_correctness.parquet"} if GPU else {}
+
+
+def gpu_flags(wildcards, input):
+    return f"--library {input.lib} --require-tests {input.tests}" if GPU else "--cpu-only"

@@ -1,0 +1,11 @@
+rule test_correctness:
+    input:
+        LIB,
+    output:
+        f"{RD}/test_correctness.parquet",
+    log:
+        f"{RD}/logs/test_correctness.log",
+    resources:
+        gpu=1,
+    shell:
+        "python3 -m kdtree test-gpu --pin-gpu --out {output} --library {input} > {log} 2>&1"
