@@ -26,7 +26,10 @@ def _git(*args: str) -> str:
 @functools.lru_cache(maxsize=1)
 def _static() -> dict:
     # A copy of the tree without .git (a lent GPU machine, a container) is told its commit.
-    commit = _git("rev-parse", "HEAD") or os.environ.get("KDTREE_GIT_COMMIT", "unknown")
+    # (`git rev-parse HEAD` prints "HEAD" itself where the copy has no commits: accept hex only.)
+    head = _git("rev-parse", "HEAD")
+    commit = head if len(head) == 40 and all(c in "0123456789abcdef" for c in head) else \
+        os.environ.get("KDTREE_GIT_COMMIT", "unknown")
     dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) or \
         os.environ.get("KDTREE_GIT_DIRTY", "") == "1"
     cpu = platform.processor() or ""
