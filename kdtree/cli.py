@@ -92,6 +92,28 @@ def cmd_report(args):
     print(f"report -> {args.out}")
 
 
+def cmd_gather(args):
+    import pandas as pd
+    from .results import write_parquet_atomic
+    frames = [pd.read_parquet(p) for p in args.shards]
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    write_parquet_atomic(df, args.out)
+    print(f"gather: {len(frames)} shards, {len(df)} rows -> {args.out}")
+
+
+def cmd_check(args):
+    from .deploy_checks import check_container, check_slurm_plan
+    if args.what == "container":
+        problems = check_container(*args.paths)
+    else:
+        problems = check_slurm_plan(pathlib.Path(args.paths[0]).read_text())
+    for p in problems:
+        print(f"check {args.what}: {p}")
+    if problems:
+        sys.exit(1)
+    print(f"check {args.what}: ok")
+
+
 def cmd_probe(args):
     from .probe import main as probe_main
     sys.exit(probe_main(args))
@@ -137,6 +159,14 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--figures", help="also (re)render figures into this folder")
     r.add_argument("--note", action="append", help="a line for the report's 'not rendered' list")
     r.set_defaults(fn=cmd_report)
+    g = sub.add_parser("gather", help="join sweep shards into one Parquet")
+    g.add_argument("--out", required=True)
+    g.add_argument("shards", nargs="+")
+    g.set_defaults(fn=cmd_gather)
+    c = sub.add_parser("check", help="CI checks: the container definition, a SLURM dry-run plan")
+    c.add_argument("what", choices=["container", "slurm-plan"])
+    c.add_argument("paths", nargs="+", help="container: DEF CONSTRAINTS README; slurm-plan: DRYRUN_OUTPUT")
+    c.set_defaults(fn=cmd_check)
     pr = sub.add_parser("probe", help="measure a live SGLang service (read-only, bounded)")
     from .probe import add_arguments
     add_arguments(pr)

@@ -58,7 +58,8 @@ def tree_build(df: pd.DataFrame, path):
         m["speedup"] = m.median_us_cpu / m.median_us_gpu
         sns.barplot(m, x="budget", y="speedup", hue="batch", ax=axes[1], palette="viridis")
         axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build")
-    fig.suptitle(f"DDTree build, L={int(df.L.iloc[0])} ({_gpu_label(df)})")
+    L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
+    fig.suptitle(f"DDTree build, {L}{_gpu_label(df)}")
     _save(fig, path)
 
 

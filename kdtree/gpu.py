@@ -51,40 +51,45 @@ _CLAIM = None  # the open lock file of the GPU this process holds
 
 
 def claim_gpu(lock_dir=None) -> str | None:
-    """Pin this process to one free GPU (CUDA_VISIBLE_DEVICES) on a multi-GPU node.
+    """Give this process a GPU of its own (sets CUDA_VISIBLE_DEVICES); call before CUDA starts.
 
-    Snakemake's `gpu` resource bounds how many GPU jobs run at once; this picks
-    which GPU each one gets, with a lock file per GPU. Call before CUDA is initialised.
-    Does nothing when CUDA_VISIBLE_DEVICES is already set or there is at most one GPU.
+    Snakemake runs GPU jobs side by side; a lock file per GPU makes each job take a
+    free one, and wait while all are taken, so two timed jobs never share a GPU (on a
+    one-GPU machine they run one after the other). Under SLURM the allocation is
+    already exclusive and is kept as it is.
     """
     import fcntl
     import os
     import pathlib
     import subprocess
+    import time
 
     global _CLAIM
-    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
         return os.environ["CUDA_VISIBLE_DEVICES"]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    n = sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
-    if n <= 1:
-        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        candidates = [visible]           # the user chose the GPU(s): serialise on that choice
+    else:
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+        candidates = [str(i) for i, ln in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
+        if not candidates:
+            return None
     from .provenance import ROOT
     lock_dir = pathlib.Path(lock_dir or ROOT / "build" / "gpu_locks")
     lock_dir.mkdir(parents=True, exist_ok=True)
     while True:
-        for i in range(n):
-            f = open(lock_dir / f"gpu{i}.lock", "w")
+        for c in candidates:
+            f = open(lock_dir / f"gpu{c.replace(',', '_')}.lock", "w")
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 f.close()
                 continue
-            _CLAIM = f
-            os.environ["CUDA_VISIBLE_DEVICES"] = str(i)
-            return str(i)
-        import time
-        time.sleep(1.0)   # more GPU jobs than GPUs: wait for one to finish
+            _CLAIM = f                     # held until the process exits
+            os.environ["CUDA_VISIBLE_DEVICES"] = c
+            return c
+        time.sleep(1.0)

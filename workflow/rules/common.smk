@@ -41,10 +41,32 @@ if not PROBE:
     SKIPPED.append("probe_service: no probe.url in config")
 
 
-def sweep_json(section):
-    cfg = dict(config[section])
+def sweep_json(section, **override):
+    cfg = dict(config[section], **override)
     cfg["gpu_mem_cap_gb"] = config["gpu_mem_cap_gb"]
     return shlex.quote(json.dumps(cfg, sort_keys=True))
+
+
+def job_resources(gpu: bool) -> dict:
+    """gpu=1 for GPU jobs (SLURM: --gpus=1); bench=1 for every timed job, so that timed jobs
+    never share a machine (the global limit is 1 unless a profile lifts it); SLURM partition
+    and account from config."""
+    r = {"bench": 1}
+    if gpu:
+        r["gpu"] = 1
+    if config.get("slurm", {}).get("partition"):
+        r["slurm_partition"] = config["slurm"]["partition"]
+    if config.get("slurm", {}).get("account"):
+        r["slurm_account"] = config["slurm"]["account"]
+    return r
+
+
+workflow.global_resources.setdefault("bench", 1)
+
+
+wildcard_constraints:
+    batch=r"\d+",
+    heads=r"\d+",
 
 
 def parquet_targets():

@@ -1,17 +1,32 @@
-rule sweep_tree_build:
+# The tree-build and verify sweeps run as shards (one per batch size / head count) so a
+# cluster can spread them over many GPUs; gather rules join the shards.
+
+
+rule sweep_tree_build_shard:
     input:
         unpack(lambda wc: gpu_inputs()),
     output:
-        report(f"{RD}/tree_build.parquet", caption="../report/tree_build.rst", category="data"),
+        f"{RD}/shards/tree_build/batch{{batch}}.parquet",
     log:
-        f"{RD}/logs/sweep_tree_build.log",
+        f"{RD}/logs/sweep_tree_build/batch{{batch}}.log",
     params:
-        cfg=sweep_json("sweep_tree_build"),
+        cfg=lambda wc: sweep_json("sweep_tree_build", batches=[int(wc.batch)]),
         flags=gpu_flags,
     resources:
-        gpu=1 if GPU else 0,
+        **job_resources(GPU),
     shell:
         "python3 -m kdtree sweep tree-build --pin-gpu --out {output} --cfg-json {params.cfg} {params.flags} > {log} 2>&1"
+
+
+rule gather_tree_build:
+    input:
+        expand(f"{RD}/shards/tree_build/batch{{batch}}.parquet", batch=config["sweep_tree_build"]["batches"]),
+    output:
+        report(f"{RD}/tree_build.parquet", caption="../report/tree_build.rst", category="data"),
+    log:
+        f"{RD}/logs/gather_tree_build.log",
+    shell:
+        "python3 -m kdtree gather --out {output} {input} > {log} 2>&1"
 
 
 rule sweep_tree_accept:
@@ -25,23 +40,34 @@ rule sweep_tree_accept:
         cfg=sweep_json("sweep_tree_accept"),
         flags=gpu_flags,
     resources:
-        gpu=1 if GPU else 0,
+        **job_resources(GPU),
     shell:
         "python3 -m kdtree sweep tree-accept --pin-gpu --out {output} --cfg-json {params.cfg} {params.flags} > {log} 2>&1"
 
 
-rule sweep_verify_attn:
+rule sweep_verify_attn_shard:
     input:
         lib=LIB,
         tests=f"{RD}/test_correctness.parquet",
     output:
-        f"{RD}/verify_attn.parquet",
+        f"{RD}/shards/verify_attn/heads{{heads}}.parquet",
     log:
-        f"{RD}/logs/sweep_verify_attn.log",
+        f"{RD}/logs/sweep_verify_attn/heads{{heads}}.log",
     params:
-        cfg=sweep_json("sweep_verify_attn"),
+        cfg=lambda wc: sweep_json("sweep_verify_attn", heads=[int(wc.heads)]),
     resources:
-        gpu=1,
+        **job_resources(True),
     shell:
         "python3 -m kdtree sweep verify-attn --pin-gpu --out {output} --cfg-json {params.cfg} "
         "--library {input.lib} --require-tests {input.tests} > {log} 2>&1"
+
+
+rule gather_verify_attn:
+    input:
+        expand(f"{RD}/shards/verify_attn/heads{{heads}}.parquet", heads=config["sweep_verify_attn"]["heads"]),
+    output:
+        f"{RD}/verify_attn.parquet",
+    log:
+        f"{RD}/logs/gather_verify_attn.log",
+    shell:
+        "python3 -m kdtree gather --out {output} {input} > {log} 2>&1"

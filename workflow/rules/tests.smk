@@ -6,6 +6,6 @@ rule test_correctness:
     log:
         f"{RD}/logs/test_correctness.log",
     resources:
-        gpu=1,
+        **job_resources(True),
     shell:
         "python3 -m kdtree test-gpu --pin-gpu --out {output} --library {input} > {log} 2>&1"

@@ -1,0 +1,176 @@
+"""The pipeline's Python: resumable sweeps, failed points as rows, atomic writes, gather,
+figures and report from Parquet alone, the whole-step breakdown, config validation,
+GPU claiming, and the deployment checks."""
+import json
+import os
+import pathlib
+import stat
+
+import pandas as pd
+import pytest
+
+from kdtree import gpu as kgpu
+from kdtree.breakdown import breakdown_table
+from kdtree.cli import main as cli
+from kdtree.deploy_checks import check_container, check_slurm_plan, readme_test_command
+from kdtree.figures import render_all
+from kdtree.results import ResumableSweep, write_parquet_atomic
+from kdtree.sweeps import tree_accept, tree_build
+from kdtree.sweeps.runner import run_sweep
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class Crash(BaseException):
+    """The process dying mid-sweep (not an error a point can record)."""
+
+
+def test_interrupted_sweep_resumes_where_it_stopped(tmp_path):
+    out = tmp_path / "s.parquet"
+    calls, crashed = [], []
+
+    def measure(p):
+        calls.append(p["x"])
+        if p["x"] == 3 and not crashed:
+            crashed.append(True)
+            raise Crash()
+        return [dict(p, value=p["x"] * 10)]
+
+    points = [{"x": i} for i in range(5)]
+    with pytest.raises(Crash):
+        run_sweep("t", points, measure, out, {})
+    assert not out.exists() and out.with_name("s.parquet.partial").exists()
+    calls.clear()
+    df = run_sweep("t", points, measure, out, {})
+    assert calls == [3, 4]                      # only what was missing
+    assert sorted(df.value) == [0, 10, 20, 30, 40]
+    assert not out.with_name("s.parquet.partial").exists()
+    for col in ("run_id", "utc_time", "git_commit", "git_dirty", "host", "cpu_model", "gpu_name",
+                "driver", "cuda_runtime", "torch_version", "kernel_lib_hash", "config_hash"):
+        assert col in df.columns, col
+
+
+def test_failed_points_are_rows(tmp_path):
+    def measure(p):
+        if p["x"] == 1:
+            raise ValueError("boom")
+        if p["x"] == 2:
+            raise kgpu.MemoryBudgetError("needs 9 GiB, over the cap")
+        return [dict(p)]
+
+    df = run_sweep("t", [{"x": i} for i in range(3)], measure, tmp_path / "o.parquet", {})
+    st = dict(zip(df.x, df.status))
+    assert st == {0: "ok", 1: "error", 2: "skipped"}
+    assert "boom" in df[df.x == 1].reason.iloc[0]
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    class Bad:
+        def to_parquet(self, *a, **k):
+            raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        write_parquet_atomic(Bad(), tmp_path / "x.parquet")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
+    cfg_tb = {"batches": [1, 2], "budgets": [4, 16], "L": 4, "vocab": 300, "seed": 0, "cpu_reps": 1,
+              "cpu_max_seconds": 1, "gpu_replays": 2, "gpu_mem_cap_gb": 1}
+    for b in (1, 2):
+        tree_build.run(dict(cfg_tb, batches=[b]), tmp_path / f"tb{b}.parquet", gpu=False)
+    cli(["gather", "--out", str(tmp_path / "tree_build.parquet"), str(tmp_path / "tb1.parquet"),
+         str(tmp_path / "tb2.parquet")])
+    tb = pd.read_parquet(tmp_path / "tree_build.parquet")
+    assert set(tb.batch) == {1, 2} and set(tb.impl) == {"cpu_heapq", "sglang", "gpu_kernel"}
+    assert (tb[tb.impl == "gpu_kernel"].status == "skipped").all()
+    assert (tb[tb.impl == "cpu_heapq"].median_us > 0).all()
+    tree_accept.run({"batches": [1, 3], "slots": [5], "L": 4, "seed": 0, "cpu_reps": 1, "cpu_max_seconds": 1,
+                     "gpu_replays": 2}, tmp_path / "tree_accept.parquet", gpu=False)
+    skipped = render_all(tmp_path)
+    assert (tmp_path / "figures" / "tree_build.png").stat().st_size > 10_000
+    assert (tmp_path / "figures" / "tree_accept.png").exists()
+    assert any("verify_attn" in s for s in skipped)
+    cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    text = (tmp_path / "report.md").read_text()
+    assert "## Tree build" in text and "## Tree accept" in text
+
+
+def test_breakdown_is_an_amdahl_projection(tmp_path):
+    rows = []
+    for impl, metric, us in (("cpu_heapq", "batch_time", 4000.0), ("gpu_kernel", "device_time", 40.0)):
+        rows.append(dict(batch=4, budget=64, impl=impl, metric=metric, median_us=us, status="ok"))
+    pd.DataFrame(rows).to_parquet(tmp_path / "tree_build.parquet")
+    pd.DataFrame([dict(batch=4, D=65, impl="cpu_walk", median_us=500.0, status="ok"),
+                  dict(batch=4, D=65, impl="gpu_kernel", median_us=5.0, status="ok")]).to_parquet(
+        tmp_path / "tree_accept.parquet")
+    pd.DataFrame([dict(verify_step_ms=20.0, concurrency=4, tree_budget=64)]).to_parquet(
+        tmp_path / "probe_summary.parquet")
+    t = breakdown_table(tmp_path)
+    now = t[t.scenario.str.startswith("measured")].set_index("component").ms
+    proj = t[t.scenario.str.startswith("projected")].set_index("component").ms
+    assert now.sum() == pytest.approx(20.0)
+    assert now["tree build (CPU)"] == pytest.approx(4.0) and now["rest of step"] == pytest.approx(15.5)
+    assert proj.sum() == pytest.approx(15.5 + 0.04 + 0.005)
+    render_all(tmp_path)
+    assert (tmp_path / "figures" / "step_breakdown.png").exists()
+
+
+def test_config_schema_names_the_bad_key():
+    import yaml
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    cfg = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    validate(cfg, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    cfg["sweep_tree_build"]["budgets"] = [16, 2048]
+    with pytest.raises(WorkflowError, match="2048"):
+        validate(cfg, str(ROOT / "workflow/schemas/config.schema.yaml"))
+
+
+def test_memory_cap_refuses_clearly():
+    with pytest.raises(kgpu.MemoryBudgetError, match="over the gpu_mem_cap_gb cap of 1"):
+        kgpu.ensure_fits(2 << 30, cap_gb=1)
+
+
+def test_claim_gpu_gives_each_job_its_own(tmp_path, monkeypatch):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    got, held = [], []
+    for _ in range(2):   # two jobs: the first keeps its lock while the second claims
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        got.append(kgpu.claim_gpu(tmp_path / "locks"))
+        held.append(kgpu._CLAIM)
+    assert got == ["0", "1"]
+    for f in held:
+        f.close()
+
+
+def test_container_definition_checks():
+    assert check_container(ROOT / "containers/kdtree.def", ROOT / "constraints.txt", ROOT / "README.md") == []
+    assert readme_test_command((ROOT / "README.md").read_text()) == ".venv/bin/python -m pytest -q tests"
+
+
+def test_container_check_catches_drift(tmp_path):
+    text = (ROOT / "containers/kdtree.def").read_text()
+    bad = text.replace("13.0.1-devel-ubuntu24.04", "12.4.1-devel-ubuntu22.04").replace(
+        "-c /opt/kdtree/constraints.txt -e", "torch==2.9.0 -e").replace("%runscript", "%notrun")
+    p = tmp_path / "k.def"
+    p.write_text(bad)
+    problems = check_container(p, ROOT / "constraints.txt", ROOT / "README.md")
+    joined = "\n".join(problems)
+    assert "13.0.x-devel-ubuntu24.04" in joined and "torch==2.9.0" in joined
+    assert "missing section %runscript" in joined and "-c constraints.txt" in joined
+
+
+def test_slurm_plan_check():
+    plan = ("rule test_correctness:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
+            "rule sweep_verify_attn_shard:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
+            "rule gather_tree_build:\n    resources: tmpdir=/tmp\n"
+            "rule report:\n    resources: tmpdir=/tmp\n")
+    assert check_slurm_plan(plan) == []
+    assert check_slurm_plan(plan.replace("gpu=1", "", 1)) == ["test_correctness: a GPU rule without gpu=1"]
