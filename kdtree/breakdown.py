@@ -20,42 +20,61 @@ def _nearest(df: pd.DataFrame, **want) -> pd.Series | None:
     return d.sort_values("_dist").iloc[0]
 
 
-def breakdown_table(results_dir) -> pd.DataFrame | None:
-    rd = pathlib.Path(results_dir)
-    probe_p, tree_p, acc_p = rd / "probe_summary.parquet", rd / "tree_build.parquet", rd / "tree_accept.parquet"
-    if not (probe_p.exists() and tree_p.exists()):
+def _ok(path) -> pd.DataFrame | None:
+    if not pathlib.Path(path).exists():
         return None
-    probe = pd.read_parquet(probe_p)
-    probe = probe[probe.verify_step_ms.notna()] if "verify_step_ms" in probe else probe.iloc[0:0]
+    d = pd.read_parquet(path)
+    return d[d.status == "ok"] if "status" in d else d
+
+
+def _gpu_rows(d: pd.DataFrame | None, **sel) -> pd.DataFrame:
+    if d is None or d.empty:
+        return pd.DataFrame()
+    m = d.impl == "gpu_kernel"
+    for k, v in sel.items():
+        m &= d[k] == v
+    return d[m]
+
+
+def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
+    """Probe summary + this run's sweeps; GPU kernel times from `kernel_times_dir` (e.g. the
+    committed H200 reference set) when this run has none (a CPU-only machine)."""
+    rd = pathlib.Path(results_dir)
+    probe = _ok(rd / "probe_summary.parquet")
+    tree = _ok(rd / "tree_build.parquet")
+    if probe is None or tree is None or "verify_step_ms" not in probe:
+        return None
+    probe = probe[probe.verify_step_ms.notna()]
     if probe.empty:
         return None
     s = probe.iloc[-1]
     batch, budget = int(s.get("concurrency", 1) or 1), int(s.get("tree_budget", 0) or 0)
-    tree = pd.read_parquet(tree_p)
-    tree = tree[tree.status == "ok"]
-    if budget <= 0:  # the server did not say: use the sweep's closest budget to a common 64
-        budget = 64
-    rows = []
+    budget = budget if budget > 0 else 64   # the server did not say: a common budget
+    acc = _ok(rd / "tree_accept.parquet")
+    gpu_tree = _gpu_rows(tree, metric="device_time")
+    gpu_acc = _gpu_rows(acc)
+    source = "this run"
+    if gpu_tree.empty and kernel_times_dir and (pathlib.Path(kernel_times_dir) / "tree_build.parquet").exists():
+        kt = pathlib.Path(kernel_times_dir)
+        gpu_tree = _gpu_rows(_ok(kt / "tree_build.parquet"), metric="device_time")
+        gpu_acc = _gpu_rows(_ok(kt / "tree_accept.parquet"))
+        names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
+        source = f"{kt} ({', '.join(names) or 'GPU'})"
     cpu = _nearest(tree[tree.impl == "cpu_heapq"], batch=batch, budget=budget)
-    gpu = _nearest(tree[(tree.impl == "gpu_kernel") & (tree.metric == "device_time")], batch=batch, budget=budget)
-    acc_cpu = acc_gpu = None
-    if acc_p.exists():
-        acc = pd.read_parquet(acc_p)
-        acc = acc[acc.status == "ok"]
-        acc_cpu = _nearest(acc[acc.impl == "cpu_walk"], batch=batch, D=budget + 1)
-        acc_gpu = _nearest(acc[acc.impl == "gpu_kernel"], batch=batch, D=budget + 1)
+    gpu = _nearest(gpu_tree, batch=batch, budget=budget)
+    acc_cpu = _nearest(acc[acc.impl == "cpu_walk"], batch=batch, D=budget + 1) if acc is not None else None
+    acc_gpu = _nearest(gpu_acc, batch=batch, D=budget + 1)
     step = float(s.verify_step_ms)
     build_cpu = cpu.median_us / 1e3 if cpu is not None else 0.0
     walk_cpu = acc_cpu.median_us / 1e3 if acc_cpu is not None else 0.0
     rest = max(step - build_cpu - walk_cpu, 0.0)
-    rows += [("measured step (probe) with CPU build + walk", "rest of step", rest),
-             ("measured step (probe) with CPU build + walk", "tree build (CPU)", build_cpu),
-             ("measured step (probe) with CPU build + walk", "accept walk (CPU)", walk_cpu)]
+    now = "measured step (probe) with CPU build + walk"
+    rows = [(now, "rest of step", rest), (now, "tree build (CPU)", build_cpu),
+            (now, "accept walk (CPU)", walk_cpu)]
     if gpu is not None:
-        rows += [("projected: GPU kernels (Amdahl)", "rest of step", rest),
-                 ("projected: GPU kernels (Amdahl)", "tree build (GPU)", gpu.median_us / 1e3),
-                 ("projected: GPU kernels (Amdahl)", "accept (GPU)",
-                  acc_gpu.median_us / 1e3 if acc_gpu is not None else walk_cpu)]
+        proj = f"projected: GPU kernels (Amdahl; kernel times from {source})"
+        rows += [(proj, "rest of step", rest), (proj, "tree build (GPU)", gpu.median_us / 1e3),
+                 (proj, "accept (GPU)", acc_gpu.median_us / 1e3 if acc_gpu is not None else walk_cpu)]
     t = pd.DataFrame(rows, columns=["scenario", "component", "ms"])
     t["batch"], t["budget"], t["verify_step_ms"] = batch, budget, step
     return t

@@ -79,7 +79,7 @@ def cmd_test_gpu(args):
 
 def cmd_figures(args):
     from .figures import render_all
-    skipped = render_all(args.results, args.out)
+    skipped = render_all(args.results, args.out, args.kernel_times)
     for s in skipped:
         print(f"figures: skipped {s}")
 
@@ -87,8 +87,8 @@ def cmd_figures(args):
 def cmd_report(args):
     from .figures import render_all
     from .report import render
-    skipped = render_all(args.results, args.figures) if args.figures else []
-    render(args.results, args.out, skipped + list(args.note or []))
+    skipped = render_all(args.results, args.figures, args.kernel_times) if args.figures else []
+    render(args.results, args.out, skipped + list(args.note or []), args.kernel_times)
     print(f"report -> {args.out}")
 
 
@@ -152,12 +152,14 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("figures", help="render figures from the Parquet in a results folder")
     f.add_argument("--results", required=True)
     f.add_argument("--out")
+    f.add_argument("--kernel-times", help="GPU kernel times for the breakdown when this run has none")
     f.set_defaults(fn=cmd_figures)
     r = sub.add_parser("report", help="Markdown report from the Parquet in a results folder")
     r.add_argument("--results", required=True)
     r.add_argument("--out", required=True)
     r.add_argument("--figures", help="also (re)render figures into this folder")
     r.add_argument("--note", action="append", help="a line for the report's 'not rendered' list")
+    r.add_argument("--kernel-times", help="GPU kernel times for the breakdown when this run has none")
     r.set_defaults(fn=cmd_report)
     g = sub.add_parser("gather", help="join sweep shards into one Parquet")
     g.add_argument("--out", required=True)

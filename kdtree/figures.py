@@ -96,14 +96,23 @@ def step_breakdown(table: pd.DataFrame, path):
     """Stacked bars: where a verify step's time goes, today (CPU build + walk) vs with the kernels."""
     if table.empty:
         return _placeholder(path, "Whole-step breakdown", "needs probe data and kernel sweeps")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    piv = table.pivot_table(index="scenario", columns="component", values="ms", aggfunc="sum")
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    t = table.assign(scenario=table.scenario.str.replace("; ", ";\n").str.replace(" with ", "\nwith "))
+    piv = t.pivot_table(index="scenario", columns="component", values="ms", aggfunc="sum", sort=False)
     piv.plot(kind="barh", stacked=True, ax=ax, colormap="tab20c")
-    ax.set(xlabel="ms per verify step", ylabel="", title="Where a decode step goes (Amdahl projection)")
+    totals = piv.sum(axis=1)
+    base = totals.iloc[0]
+    for i, total in enumerate(totals):
+        note = f"{total:.3g} ms" + ("" if i == 0 else f" ({100 * (total - base) / base:+.1f}%)")
+        ax.text(total, i, " " + note, va="center", fontsize=9)
+    ax.set_xlim(0, totals.max() * 1.3)
+    ax.set(xlabel="ms per verify step", ylabel="",
+           title=f"Where a verify step goes (batch {int(table.batch.iloc[0])}, budget {int(table.budget.iloc[0])})")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     _save(fig, path)
 
 
-def render_all(results_dir, fig_dir=None) -> list[str]:
+def render_all(results_dir, fig_dir=None, kernel_times_dir=None) -> list[str]:
     """Render every figure the Parquet files in results_dir support; returns what it skipped."""
     results_dir = pathlib.Path(results_dir)
     fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
@@ -115,7 +124,7 @@ def render_all(results_dir, fig_dir=None) -> list[str]:
         else:
             skipped.append(f"{name}: {p} not found")
     from .breakdown import breakdown_table
-    bt = breakdown_table(results_dir)
+    bt = breakdown_table(results_dir, kernel_times_dir)
     if bt is not None:
         step_breakdown(bt, fig_dir / "step_breakdown.png")
     else:

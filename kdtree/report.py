@@ -12,7 +12,7 @@ def _md(df: pd.DataFrame, floatfmt=".3g") -> str:
     return df.to_markdown(index=False, floatfmt=floatfmt) if not df.empty else "_no rows_"
 
 
-def render(results_dir, out_path, skipped: list[str] | None = None) -> str:
+def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times_dir=None) -> str:
     rd = pathlib.Path(results_dir)
     parts = ["# kdtree results", ""]
     prov_src = None
@@ -45,7 +45,7 @@ def render(results_dir, out_path, skipped: list[str] | None = None) -> str:
         d = d[d.status == "ok"]
         piv = d.pivot_table(index=["batch", "D"], columns="impl", values="median_us")
         parts += ["## Tree accept (median per batch, us)", "", _md(piv.reset_index()), ""]
-    bt = breakdown_table(rd)
+    bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
         parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "", _md(bt), ""]
     if skipped:

@@ -94,6 +94,11 @@ def all_targets():
     return t
 
 
+def kernel_times_flag():
+    kt = config.get("kernel_times_fallback", "")
+    return f"--kernel-times {shlex.quote(kt)}" if kt else ""
+
+
 def skipped_notes():
     return " ".join(f"--note {shlex.quote(s)}" for s in SKIPPED)
 

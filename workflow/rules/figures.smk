@@ -16,9 +16,10 @@ rule report:
     params:
         rd=lambda wc, output: os.path.dirname(output.md),
         notes=skipped_notes(),
+        kt=kernel_times_flag(),
     shell:
         "python3 -m kdtree report --results {params.rd} --out {output.md} --figures {params.rd}/figures "
-        "{params.notes} > {log} 2>&1"
+        "{params.notes} {params.kt} > {log} 2>&1"
 
 
 # `snakemake figures`: re-render from whatever Parquet the results folder holds
