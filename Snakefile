@@ -23,6 +23,16 @@ include: "workflow/rules/probe.smk"
 include: "workflow/rules/figures.smk"
 
 
+# Cheap joins and renders stay on the submitting host under a cluster executor.
+localrules:
+    all,
+    figures,
+    gather_tree_build,
+    gather_verify_attn,
+    report,
+    render_cached_figures,
+
+
 rule all:
     input:
         all_targets(),
