@@ -311,9 +311,15 @@ async def run_probe(cfg: ProbeConfig) -> tuple[pd.DataFrame, dict, str]:
         after, _ = await _get_json(client, cfg.url.rstrip("/") + "/server_info", 10)
     df = pd.DataFrame(rows).sort_values("request_index").reset_index(drop=True)
     summary = summarize(df, wall, cfg, ident)
+    # Cross-check: the server's own running average (over all its traffic, not only ours).
+    server_after = None
     if isinstance(after, dict):
         st = after.get("internal_states") or [{}]
-        summary["server_avg_spec_accept_length_after"] = st[0].get("avg_spec_accept_length") if st else None
+        server_after = st[0].get("avg_spec_accept_length") if st else None
+    summary["server_avg_spec_accept_length_after"] = server_after
+    summary["accept_length_vs_server_rel"] = (
+        (summary["accept_length"] - server_after) / server_after
+        if summary.get("accept_length") and server_after else None)
     msg = (f"probe: {int(df.ok.sum())}/{len(df)} requests ok in {wall:.1f}s"
            + (f"; {stop_reason}" if stop_reason else ""))
     summary["stop_reason"] = stop_reason

@@ -49,7 +49,7 @@ class _Handler(BaseHTTPRequestHandler):
                 served = self.server.served
             return self._json(200, {"version": "0.5.test", "model_path": "fake/K2-mini",
                                     "speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 64,
-                                    "internal_states": [{"avg_spec_accept_length": 3.0 if served else None}]})
+                                    "internal_states": [{"avg_spec_accept_length": served or None}]})
         if self.path == "/v1/models" and self.b.fault != "non_sglang":
             return self._json(200, {"data": [{"id": "fake/K2-mini"}]})
         self._json(404, {"detail": "Not Found"})
@@ -138,6 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
         if self.b.fault != "no_done":
             self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
+        with self.server.lock:          # the server's running accept length, as /server_info reports it
+            self.server.served = sent / steps if steps else None
 
 
 class _Server(ThreadingHTTPServer):
