@@ -6,7 +6,6 @@ directory are configurable; ninja rebuilds only what changed, headers included
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import re
@@ -108,6 +107,3 @@ def build(build_dir=DEFAULT_BUILD_DIR, archs=DEFAULT_ARCHS, jobs: int | None = N
     subprocess.run(cmd, check=True)
     return pathlib.Path(build_dir) / LIB_NAME
 
-
-def library_hash(path) -> str:
-    return hashlib.sha256(pathlib.Path(path).read_bytes()).hexdigest()[:12]

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .attention import QK_DIM
-from .tree import TreeBatch, build_trees, stage_a
+from .tree import stage_a
 
 
 def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0.3) -> torch.Tensor:
@@ -36,13 +35,6 @@ def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fr
     """float32 top-lp and int64 ids ``[B, L, min(budget_max, V)]`` from synthetic logits."""
     lp, ids = stage_a(drafter_logits(B, L, V, seed, coarse_fraction), max(1, budget_max))
     return lp, ids
-
-
-def tree_batch(budgets, L: int = 15, V: int = 4096, seed: int = 0, seq_lens=None) -> TreeBatch:
-    """CPU-built trees for per-request budgets over synthetic drafter output."""
-    budgets = np.asarray(budgets, dtype=np.int64)
-    lp, ids = stage_a_inputs(len(budgets), L, V, int(budgets.max(initial=1)), seed)
-    return build_trees(lp, ids, budgets, seq_lens=seq_lens)
 
 
 @dataclass
