@@ -226,6 +226,8 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
     page_size = kv.shape[1]
     bt = _tensor("block_table", block_table, torch.int32, (B, None), dev)
     _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
+    if not isinstance(visibility, torch.Tensor):
+        raise InputError(f"visibility: expected a torch tensor, got {type(visibility).__name__}")
     if visibility.dtype == torch.bool:
         _tensor("visibility", visibility, torch.bool, (B, D, D), dev)
         bits = 0
