@@ -93,3 +93,17 @@ def test_old_nvcc_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("NVCC", str(fake))
     with pytest.raises(RuntimeError, match="too old"):
         kbuild.build(tmp_path / "b")
+
+
+def test_bindings_name_bad_arguments_without_a_gpu():
+    import torch
+
+    from kdtree import ops
+
+    lp = torch.zeros(2, 15, 4)
+    with pytest.raises(InputError, match="top_logprobs: expected a CUDA tensor"):
+        ops.build_trees_gpu(lp, lp.long(), torch.ones(2, dtype=torch.int32))
+    with pytest.raises(InputError, match="candidates: expected a CUDA tensor"):
+        ops.tree_accept(torch.zeros(2, 5, dtype=torch.long), None, None, None, 15)
+    with pytest.raises(InputError, match="q: expected a CUDA tensor, got device cpu"):
+        ops.verify_attention(torch.zeros(1, 2, 8, 576), None, None, None, None, 0.13)
