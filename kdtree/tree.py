@@ -130,10 +130,16 @@ def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
 
 
 def visibility_from_parents(parents: np.ndarray) -> np.ndarray:
-    """Row i is true at i and every ancestor of i (parents[i] < i): one vectorised
-    step per tree level instead of one row copy per node."""
+    """Row i is true at i and every ancestor of i (parents[i] < i). Small trees copy the
+    parent's row (one step per node); larger ones take one vectorised step per level."""
     d = parents.shape[0]
     vis = np.zeros((d, d), dtype=bool)
+    if d <= 48:
+        for i, p in enumerate(parents.tolist()):
+            if p >= 0:
+                vis[i] = vis[p]
+            vis[i, i] = True
+        return vis
     up = np.where(parents < 0, 0, parents).astype(np.int64)  # the root is its own parent here
     rows = np.arange(d)
     anc = rows.copy()
