@@ -13,6 +13,8 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
                    "cpu_reps": 3, "cpu_max_seconds": 5.0, "gpu_replays": 20, "gpu_mem_cap_gb": 8.0},
     "tree_accept": {"batches": [1, 16], "slots": [17, 65], "L": 15, "seed": 0, "cpu_reps": 3,
                     "cpu_max_seconds": 5.0, "gpu_replays": 20},
+    "round": {"batches": [1, 16], "budgets": [64], "heads": [8], "prefixes": [8192], "L": 15, "vocab": 8192,
+              "scale": 0.130861, "seed": 0, "gpu_replays": 20, "graph_inner": 5, "gpu_mem_cap_gb": 8.0},
     "verify_attn": {"heads": [8], "slots": [16], "prefixes": [4096], "batches": [16], "page_sizes": [64],
                     "scale": 0.130861, "seed": 0, "gpu_replays": 20, "graph_inner": 5,
                     "gpu_mem_cap_gb": 8.0, "sdpa_max_elems": 2e9},
@@ -61,9 +63,13 @@ def cmd_sweep(args):
                    library=args.library)
     else:
         if not cuda_available():
-            sys.exit("sweep verify-attn: needs a CUDA device (none found); the pipeline skips it on CPU")
-        from .sweeps import verify_attn as m
-        df = m.run(_cfg(args, "verify_attn"), args.out, library=args.library)
+            sys.exit(f"sweep {args.which}: needs a CUDA device (none found); the pipeline skips it on CPU")
+        if args.which == "round":
+            from .sweeps import round as m
+            df = m.run(_cfg(args, "round"), args.out, library=args.library)
+        else:
+            from .sweeps import verify_attn as m
+            df = m.run(_cfg(args, "verify_attn"), args.out, library=args.library)
     bad = df[df.status != "ok"] if "status" in df else df.iloc[0:0]
     print(f"{args.which}: {len(df)} rows -> {args.out}"
           + (f" ({len(bad)} not ok: {sorted(set(bad.status))})" if len(bad) else ""))
@@ -135,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int)
     b.set_defaults(fn=cmd_build)
     s = sub.add_parser("sweep", help="run one kernel sweep into Parquet")
-    s.add_argument("which", choices=["tree-build", "tree-accept", "verify-attn"])
+    s.add_argument("which", choices=["tree-build", "tree-accept", "verify-attn", "round"])
     s.add_argument("--out", required=True)
     s.add_argument("--cfg-json", help="the sweep's config section as JSON")
     s.add_argument("--library", help="libkdtree.so to use (default: build/kernels)")

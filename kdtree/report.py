@@ -45,6 +45,17 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         d = d[d.status == "ok"]
         piv = d.pivot_table(index=["batch", "D"], columns="impl", values="median_us")
         parts += ["## Tree accept (median per batch, us)", "", _md(piv.reset_index()), ""]
+    rp = rd / "round.parquet"
+    if rp.exists():
+        d = pd.read_parquet(rp)
+        d = d[d.status == "ok"]
+        piv = d.pivot_table(index=["batch", "budget", "heads", "prefix"], columns="impl", values="median_us")
+        pieces = [c for c in ("build_graph", "verify_graph", "accept_graph") if c in piv]
+        if len(pieces) == 3:
+            piv["sum of parts"] = piv[pieces].sum(axis=1)
+        parts += ["## One round in one CUDA graph (device time, us)", "",
+                  "Build, verify attention and accept captured together, no host sync between them.", "",
+                  _md(piv.reset_index()), ""]
     bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
         parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "", _md(bt), ""]

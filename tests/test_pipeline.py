@@ -169,8 +169,25 @@ def test_container_check_catches_drift(tmp_path):
 
 def test_slurm_plan_check():
     plan = ("rule test_correctness:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
+            "rule sweep_round:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
             "rule sweep_verify_attn_shard:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
             "rule gather_tree_build:\n    resources: tmpdir=/tmp\n"
             "rule report:\n    resources: tmpdir=/tmp\n")
     assert check_slurm_plan(plan) == []
     assert check_slurm_plan(plan.replace("gpu=1", "", 1)) == ["test_correctness: a GPU rule without gpu=1"]
+
+
+def test_report_shows_the_one_graph_round(tmp_path):
+    rows = [dict(batch=4, budget=64, heads=8, prefix=8192, impl=f"{n}_graph", median_us=us, status="ok")
+            for n, us in (("build", 50.0), ("verify", 300.0), ("accept", 3.0), ("round", 340.0))]
+    pd.DataFrame(rows).to_parquet(tmp_path / "round.parquet")
+    cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "r.md")])
+    text = (tmp_path / "r.md").read_text()
+    assert "One round in one CUDA graph" in text and "353" in text   # the sum of the parts
+
+
+@pytest.mark.skipif(kgpu.cuda_available(), reason="checks the message given without a CUDA device")
+def test_gpu_only_sweeps_say_so_without_a_device(tmp_path):
+    for which in ("verify-attn", "round"):
+        with pytest.raises(SystemExit, match=f"sweep {which}: needs a CUDA device"):
+            cli(["sweep", which, "--out", str(tmp_path / "x.parquet")])

@@ -72,7 +72,7 @@ wildcard_constraints:
 def parquet_targets():
     t = [f"{RD}/tree_build.parquet", f"{RD}/tree_accept.parquet"]
     if GPU:
-        t += [f"{RD}/test_correctness.parquet", f"{RD}/verify_attn.parquet"]
+        t += [f"{RD}/test_correctness.parquet", f"{RD}/verify_attn.parquet", f"{RD}/round.parquet"]
     if PROBE:
         t += [f"{RD}/probe.parquet"]
     return t

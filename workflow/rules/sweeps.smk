@@ -71,3 +71,20 @@ rule gather_verify_attn:
         f"{RD}/logs/gather_verify_attn.log",
     shell:
         "python3 -m kdtree gather --out {output} {input} > {log} 2>&1"
+
+
+rule sweep_round:
+    input:
+        lib=LIB,
+        tests=f"{RD}/test_correctness.parquet",
+    output:
+        f"{RD}/round.parquet",
+    log:
+        f"{RD}/logs/sweep_round.log",
+    params:
+        cfg=sweep_json("sweep_round"),
+    resources:
+        **job_resources(True),
+    shell:
+        "python3 -m kdtree sweep round --pin-gpu --out {output} --cfg-json {params.cfg} "
+        "--library {input.lib} --require-tests {input.tests} > {log} 2>&1"
