@@ -41,6 +41,8 @@ def _placeholder(path, title: str, why: str):
 
 def tree_build(df: pd.DataFrame, path):
     d = _ok(df)
+    if d.empty:
+        return _placeholder(path, "Tree build", "no measured rows")
     cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
     gpu = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
     lat = d[(d.impl == "gpu_kernel") & (d.metric == "caller_latency")][["batch", "budget", "median_us"]]
@@ -85,6 +87,8 @@ def verify_attn(df: pd.DataFrame, path):
 
 def tree_accept(df: pd.DataFrame, path):
     d = _ok(df)
+    if d.empty:
+        return _placeholder(path, "Tree accept", "no measured rows")
     fig, ax = plt.subplots(figsize=(6.5, 4))
     sns.lineplot(d, x="batch", y="median_us", hue="impl", style="D", marker="o", ax=ax)
     ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
@@ -127,6 +131,14 @@ def render_all(results_dir, fig_dir=None, kernel_times_dir=None) -> list[str]:
     bt = breakdown_table(results_dir, kernel_times_dir)
     if bt is not None:
         step_breakdown(bt, fig_dir / "step_breakdown.png")
+    elif (results_dir / "probe.parquet").exists():
+        # The probe ran but measured nothing usable (e.g. the service was unreachable):
+        # the figure says so instead of going missing.
+        probe = pd.read_parquet(results_dir / "probe.parquet")
+        why = "; ".join(sorted(set(probe.get("error", pd.Series(dtype=str)).dropna().astype(str))))[:200]
+        _placeholder(fig_dir / "step_breakdown.png", "Whole-step breakdown",
+                     f"no verify-step time from the probe: {why or 'no speculative meta_info'}")
+        skipped.append("step_breakdown: the probe measured no verify step")
     else:
         skipped.append("step_breakdown: needs probe.parquet and tree_build.parquet")
     return skipped

@@ -191,3 +191,15 @@ def test_gpu_only_sweeps_say_so_without_a_device(tmp_path):
     for which in ("verify-attn", "round"):
         with pytest.raises(SystemExit, match=f"sweep {which}: needs a CUDA device"):
             cli(["sweep", which, "--out", str(tmp_path / "x.parquet")])
+
+
+def test_unreachable_probe_still_gives_the_declared_figure(tmp_path):
+    pd.DataFrame([dict(batch=1, budget=16, impl="cpu_heapq", metric="batch_time", median_us=50.0,
+                       status="ok")]).to_parquet(tmp_path / "tree_build.parquet")
+    pd.DataFrame([dict(request_index=-1, ok=False, error="cannot reach http://127.0.0.1:1")]).to_parquet(
+        tmp_path / "probe.parquet")
+    pd.DataFrame([dict(verify_step_ms=None, stop_reason="cannot reach")]).to_parquet(
+        tmp_path / "probe_summary.parquet")
+    skipped = render_all(tmp_path)
+    assert (tmp_path / "figures" / "step_breakdown.png").exists()
+    assert any("measured no verify step" in s for s in skipped)
