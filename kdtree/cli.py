@@ -30,7 +30,8 @@ def _cfg(args, section: str) -> dict:
 
 def cmd_build(args):
     from .build import DEFAULT_ARCHS, build
-    path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs)
+    path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs,
+                 extra_flags=tuple(args.extra_flags.split()) if args.extra_flags else ())
     print(path)
 
 
@@ -139,6 +140,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--build-dir", default=ROOT / "build" / "kernels")
     b.add_argument("--archs", nargs="*", help="e.g. sm_90a sm_120 compute_90")
     b.add_argument("--jobs", type=int)
+    b.add_argument("--extra-flags", help="more nvcc flags, one string (e.g. '-Xptxas -v')")
     b.set_defaults(fn=cmd_build)
     s = sub.add_parser("sweep", help="run one kernel sweep into Parquet")
     s.add_argument("which", choices=["tree-build", "tree-accept", "verify-attn", "round"])

@@ -1,5 +1,6 @@
 import glob
 import os
+import shlex
 
 
 rule build_kernels:
@@ -14,6 +15,8 @@ rule build_kernels:
     params:
         build_dir=lambda wc, output: os.path.dirname(output[0]),
         archs=" ".join(config["build"]["archs"]),
+        flags=f"--extra-flags {shlex.quote(config['build']['extra_flags'])}" if config["build"].get("extra_flags") else "",
     threads: workflow.cores
     shell:
-        "python3 -m kdtree build --build-dir {params.build_dir} --archs {params.archs} --jobs {threads} > {log} 2>&1"
+        "python3 -m kdtree build --build-dir {params.build_dir} --archs {params.archs} {params.flags} "
+        "--jobs {threads} > {log} 2>&1"
