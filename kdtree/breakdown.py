@@ -11,6 +11,8 @@ import pathlib
 
 import pandas as pd
 
+from .results import read_ok_rows
+
 
 def _nearest(df: pd.DataFrame, **want) -> pd.Series | None:
     if df.empty:
@@ -18,13 +20,6 @@ def _nearest(df: pd.DataFrame, **want) -> pd.Series | None:
     d = df.copy()
     d["_dist"] = sum(((d[k] - v).abs() / max(v, 1)) for k, v in want.items())
     return d.sort_values("_dist").iloc[0]
-
-
-def _ok(path) -> pd.DataFrame | None:
-    if not pathlib.Path(path).exists():
-        return None
-    d = pd.read_parquet(path)
-    return d[d.status == "ok"] if "status" in d else d
 
 
 def _gpu_rows(d: pd.DataFrame | None, **sel) -> pd.DataFrame:
@@ -40,8 +35,8 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     """Probe summary + this run's sweeps; GPU kernel times from `kernel_times_dir` (e.g. the
     committed H200 reference set) when this run has none (a CPU-only machine)."""
     rd = pathlib.Path(results_dir)
-    probe = _ok(rd / "probe_summary.parquet")
-    tree = _ok(rd / "tree_build.parquet")
+    probe = read_ok_rows(rd / "probe_summary.parquet")
+    tree = read_ok_rows(rd / "tree_build.parquet")
     if probe is None or tree is None or "verify_step_ms" not in probe:
         return None
     probe = probe[probe.verify_step_ms.notna()]
@@ -50,14 +45,14 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     s = probe.iloc[-1]
     batch, budget = int(s.get("concurrency", 1) or 1), int(s.get("tree_budget", 0) or 0)
     budget = budget if budget > 0 else 64   # the server did not say: a common budget
-    acc = _ok(rd / "tree_accept.parquet")
+    acc = read_ok_rows(rd / "tree_accept.parquet")
     gpu_tree = _gpu_rows(tree, metric="device_time")
     gpu_acc = _gpu_rows(acc)
     source = "this run"
     if gpu_tree.empty and kernel_times_dir and (pathlib.Path(kernel_times_dir) / "tree_build.parquet").exists():
         kt = pathlib.Path(kernel_times_dir)
-        gpu_tree = _gpu_rows(_ok(kt / "tree_build.parquet"), metric="device_time")
-        gpu_acc = _gpu_rows(_ok(kt / "tree_accept.parquet"))
+        gpu_tree = _gpu_rows(read_ok_rows(kt / "tree_build.parquet"), metric="device_time")
+        gpu_acc = _gpu_rows(read_ok_rows(kt / "tree_accept.parquet"))
         names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
         source = f"{kt} ({', '.join(names) or 'GPU'})"
     cpu = _nearest(tree[tree.impl == "cpu_heapq"], batch=batch, budget=budget)

@@ -10,11 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .provenance import ROOT  # noqa: E402
-
-
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["status"] == "ok"] if "status" in df else df
+from .results import ok_rows  # noqa: E402
 
 
 def _gpu_label(df: pd.DataFrame) -> str:
@@ -40,7 +36,7 @@ def _placeholder(path, title: str, why: str):
 
 
 def tree_build(df: pd.DataFrame, path):
-    d = _ok(df)
+    d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree build", "no measured rows")
     cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
@@ -66,7 +62,7 @@ def tree_build(df: pd.DataFrame, path):
 
 
 def verify_attn(df: pd.DataFrame, path):
-    d = _ok(df)
+    d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree-verify attention", "no measured rows")
     d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
@@ -86,7 +82,7 @@ def verify_attn(df: pd.DataFrame, path):
 
 
 def tree_accept(df: pd.DataFrame, path):
-    d = _ok(df)
+    d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree accept", "no measured rows")
     fig, ax = plt.subplots(figsize=(6.5, 4))

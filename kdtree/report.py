@@ -6,6 +6,7 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
+from .results import read_ok_rows
 
 
 def _md(df: pd.DataFrame, floatfmt=".3g") -> str:
@@ -26,29 +27,21 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         parts += [f"Measured {r.utc_time} on `{r.host}` ({r.gpu_name or 'no GPU'}, driver {r.driver or '-'}, "
                   f"CPU {r.cpu_model}), commit `{r.git_commit[:10]}`{' (dirty)' if r.git_dirty else ''}, "
                   f"torch {r.torch_version}.", ""]
-    tb = rd / "tree_build.parquet"
-    if tb.exists():
-        d = pd.read_parquet(tb)
-        d = d[d.status == "ok"]
+    d = read_ok_rows(rd / "tree_build.parquet")
+    if d is not None:
         piv = d.pivot_table(index=["batch", "budget"], columns=["impl", "metric"], values="median_us")
         piv.columns = [f"{a} {b} (us)" for a, b in piv.columns]
         parts += ["## Tree build (median per batch)", "", _md(piv.reset_index()), ""]
-    va = rd / "verify_attn.parquet"
-    if va.exists():
-        d = pd.read_parquet(va)
-        d = d[d.status == "ok"]
+    d = read_ok_rows(rd / "verify_attn.parquet")
+    if d is not None:
         cols = ["heads", "D", "prefix", "batch", "page_size", "impl", "median_us", "floor_us", "roofline_fraction"]
         parts += ["## Tree-verify attention", "", _md(d[cols].sort_values(cols[:6])), ""]
-    ta = rd / "tree_accept.parquet"
-    if ta.exists():
-        d = pd.read_parquet(ta)
-        d = d[d.status == "ok"]
+    d = read_ok_rows(rd / "tree_accept.parquet")
+    if d is not None:
         piv = d.pivot_table(index=["batch", "D"], columns="impl", values="median_us")
         parts += ["## Tree accept (median per batch, us)", "", _md(piv.reset_index()), ""]
-    rp = rd / "round.parquet"
-    if rp.exists():
-        d = pd.read_parquet(rp)
-        d = d[d.status == "ok"]
+    d = read_ok_rows(rd / "round.parquet")
+    if d is not None:
         piv = d.pivot_table(index=["batch", "budget", "heads", "prefix"], columns="impl", values="median_us")
         pieces = [c for c in ("build_graph", "verify_graph", "accept_graph") if c in piv]
         if len(pieces) == 3:

@@ -13,6 +13,17 @@ import tempfile
 import pandas as pd
 
 
+def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The measured rows of a sweep (failed and skipped points are rows too)."""
+    return df[df["status"] == "ok"] if "status" in df else df
+
+
+def read_ok_rows(path) -> pd.DataFrame | None:
+    """ok_rows of a Parquet file, or None where the file does not exist."""
+    path = pathlib.Path(path)
+    return ok_rows(pd.read_parquet(path)) if path.exists() else None
+
+
 def write_parquet_atomic(df: pd.DataFrame, path) -> None:
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
