@@ -76,7 +76,8 @@ def test_tree_build_matches_cpu(ops, seed):
 
 
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
-                                        (4, 3, 1024), (15, 16, 15)])
+                                        (4, 3, 1024), (15, 16, 15),
+                                        (40, 600, 1024)])   # log-probs too big to stage: global reads
 def test_tree_build_tiny_vocab_and_short_blocks(ops, L, V, budget):
     lp, ids = stage_a_inputs(8, L, V, budget, seed=L * 100 + V, coarse_fraction=1.0)
     gpu_vs_cpu(ops, lp, ids, np.full(8, budget), np.arange(8), np.arange(8))
@@ -144,6 +145,53 @@ def test_tree_accept_matches_cpu(ops, B, budget):
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     assert B < 7 or (want[1].max() >= 1 and (want[1] == 0).any())  # both outcomes exercised
+
+
+def random_lcrs(rng, B, D, V):
+    """Random trees given as LCRS lists in slot order (as the build writes them)."""
+    nt = np.full((B, D), -1, np.int64)
+    ns = np.full((B, D), -1, np.int64)
+    cand = rng.integers(0, V, size=(B, D))
+    for b in range(B):
+        last = {}
+        for i in range(1, D):
+            p = int(rng.integers(max(0, i - 8), i))   # deep-ish trees
+            if p in last:
+                ns[b, last[p]] = i
+            else:
+                nt[b, p] = i
+            last[p] = i
+    return cand, nt, ns
+
+
+@pytest.mark.parametrize("B,D,max_depth", [(3, 5000, 40), (5, 300, 0), (9, 300, 70)])
+def test_tree_accept_wide_rows_and_depth_limits(ops, B, D, max_depth):
+    """D = 5000 walks global memory (too wide to stage); max_depth 0 and > 32 fill the tail."""
+    rng = np.random.default_rng(D + max_depth)
+    V = 3
+    cand, nt, ns = random_lcrs(rng, B, D, V)
+    target = rng.integers(0, V, size=(B, D))
+    want = greedy_accept_batch(cand, nt, ns, target, max_depth)
+    t = lambda a: torch.as_tensor(a).to(DEV)
+    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), max_depth)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
+    assert max_depth == 0 or want[1].max() >= 2
+
+
+def test_tree_accept_corrupt_links_end_the_walk(ops):
+    """Out-of-range and cyclic links stop the walk instead of reading past the row or hanging."""
+    D = 8
+    cand = torch.zeros(2, D, dtype=torch.int64)
+    target = torch.ones(2, D, dtype=torch.int64)            # nothing matches: siblings forever
+    nt = torch.full((2, D), -1, dtype=torch.int64)
+    ns = torch.full((2, D), -1, dtype=torch.int64)
+    nt[:, 0] = 1
+    ns[0, 1], ns[0, 2] = 2, 1                                # cycle 1 -> 2 -> 1
+    ns[1, 1] = D + 5                                         # out of range
+    idx, alen, bonus = ops.tree_accept(cand.to(DEV), nt.to(DEV), ns.to(DEV), target.to(DEV), 4)
+    assert alen.tolist() == [0, 0] and bonus.tolist() == [1, 1]
+    assert idx[1].tolist() == [D, -1, -1, -1, -1]
 
 
 def test_tree_accept_full_depth_chain(ops):

@@ -1,38 +1,88 @@
-// Greedy tree accept (spec ddtree.md section 5): one thread walks one request's
-// left-child / right-sibling lists from the root, as SGLang's verify_tree_greedy does.
+// Greedy tree accept (spec ddtree.md section 5), walking the left-child / right-sibling
+// lists from the root as SGLang's verify_tree_greedy does.
+//
+// The walk is a chain of dependent loads, so its cost is their latency: one warp per
+// request first copies the request's rows to shared memory with coalesced loads (one
+// round trip to L2 instead of one per visited slot), then lane 0 walks there.
+// Requests too wide for shared memory walk global memory directly.
 #include "common.cuh"
 
 namespace kd {
 namespace {
 
-__global__ void tree_accept_kernel(const int64_t* __restrict__ candidates,
-                                   const int64_t* __restrict__ next_token,
-                                   const int64_t* __restrict__ next_sibling,
-                                   const int64_t* __restrict__ target, int B, int D,
-                                   int max_depth, int32_t* __restrict__ accept_index,
-                                   int32_t* __restrict__ accept_len, int64_t* __restrict__ bonus) {
-  const int b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b >= B) return;
+constexpr int ACCEPT_WARPS = 4;                      // requests per CTA
+constexpr size_t ACCEPT_SMEM_MAX = 96 * 1024;        // fits sm_90 and sm_120 opt-in limits
+// Per request: candidates and target (int64), next_token and next_sibling (int16).
+__host__ __device__ inline size_t accept_row_bytes(int D) {
+  return ((size_t)D * 20 + 15) / 16 * 16;
+}
+
+template <bool STAGED>
+__global__ void __launch_bounds__(ACCEPT_WARPS * 32)
+tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __restrict__ next_token,
+                   const int64_t* __restrict__ next_sibling, const int64_t* __restrict__ target,
+                   int B, int D, int max_depth, int32_t* __restrict__ accept_index,
+                   int32_t* __restrict__ accept_len, int64_t* __restrict__ bonus) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int b = blockIdx.x * ACCEPT_WARPS + warp;
+  if (b >= B) return;  // the whole warp leaves together
   const size_t row = (size_t)b * D;
-  int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
-  idx[0] = (int32_t)row;
-  int cur = 0, k = 0;
-  int64_t want = target[row];
-  int64_t child = next_token[row];
-  // Each step visits a new slot; the cap keeps a cyclic (corrupt) link list from hanging.
-  for (int steps = 0; child >= 0 && child < D && k < max_depth && steps < D; ++steps) {
-    if (candidates[row + child] == want) {
-      cur = (int)child;
-      idx[++k] = (int32_t)(row + cur);
-      want = target[row + cur];
-      child = next_token[row + cur];
-    } else {
-      child = next_sibling[row + child];
+  const int64_t* cand = candidates + row;
+  const int64_t* tgt = target + row;
+  int k = 0;
+  int64_t want = 0;
+  if (STAGED) {
+    int64_t* s_cand = reinterpret_cast<int64_t*>(smem + warp * accept_row_bytes(D));
+    int64_t* s_tgt = s_cand + D;
+    int16_t* s_nt = reinterpret_cast<int16_t*>(s_tgt + D);
+    int16_t* s_ns = s_nt + D;
+    for (int i = lane; i < D; i += 32) {
+      const int64_t nt = next_token[row + i], ns = next_sibling[row + i];
+      s_cand[i] = cand[i];
+      s_tgt[i] = tgt[i];
+      s_nt[i] = (int16_t)(nt >= 0 && nt < D ? nt : -1);  // out of range ends the walk
+      s_ns[i] = (int16_t)(ns >= 0 && ns < D ? ns : -1);
+    }
+    __syncwarp();
+    if (lane == 0) {
+      int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
+      idx[0] = (int32_t)row;
+      want = s_tgt[0];
+      int child = s_nt[0];
+      // Each step visits a new slot; the cap keeps a cyclic (corrupt) list from hanging.
+      for (int steps = 0; child >= 0 && k < max_depth && steps < D; ++steps) {
+        if (s_cand[child] == want) {
+          idx[++k] = (int32_t)(row + child);
+          want = s_tgt[child];
+          child = s_nt[child];
+        } else {
+          child = s_ns[child];
+        }
+      }
+    }
+  } else if (lane == 0) {
+    int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
+    idx[0] = (int32_t)row;
+    want = tgt[0];
+    int64_t child = next_token[row];
+    for (int steps = 0; child >= 0 && child < D && k < max_depth && steps < D; ++steps) {
+      if (cand[child] == want) {
+        idx[++k] = (int32_t)(row + child);
+        want = tgt[child];
+        child = next_token[row + child];
+      } else {
+        child = next_sibling[row + child];
+      }
     }
   }
-  for (int j = k + 1; j <= max_depth; ++j) idx[j] = -1;
-  accept_len[b] = k;
-  bonus[b] = want;
+  k = __shfl_sync(0xffffffffu, k, 0);
+  int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
+  for (int j = k + 1 + lane; j <= max_depth; j += 32) idx[j] = -1;
+  if (lane == 0) {
+    accept_len[b] = k;
+    bonus[b] = want;
+  }
 }
 
 }  // namespace
@@ -44,10 +94,20 @@ extern "C" int kd_tree_accept(const int64_t* candidates, const int64_t* next_tok
                               int64_t* bonus, void* stream) {
   if (B < 0 || D < 1 || max_depth < 0) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
-  const int threads = 128;
-  kd::tree_accept_kernel<<<kd::ceil_div(B, threads), threads, 0, (cudaStream_t)stream>>>(
-      candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, accept_len,
-      bonus);
+  const int threads = kd::ACCEPT_WARPS * 32;
+  const int blocks = kd::ceil_div(B, kd::ACCEPT_WARPS);
+  const size_t smem = kd::ACCEPT_WARPS * kd::accept_row_bytes(D);
+  cudaStream_t st = (cudaStream_t)stream;
+  if (D <= 32767 && smem <= kd::ACCEPT_SMEM_MAX) {  // int16 links
+    const cudaError_t e = cudaFuncSetAttribute(kd::tree_accept_kernel<true>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+    kd::tree_accept_kernel<true><<<blocks, threads, smem, st>>>(
+        candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, accept_len, bonus);
+  } else {
+    kd::tree_accept_kernel<false><<<blocks, threads, 0, st>>>(
+        candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, accept_len, bonus);
+  }
   KD_LAUNCH_CHECK();
   return 0;
 }

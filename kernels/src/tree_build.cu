@@ -1,10 +1,11 @@
 // Best-first DDTree build on the GPU (spec ddtree.md, sections 2-4).
 //
-// One CTA per request. Selection is the spec's heap, run by one thread over
-// shared memory, so the pop order is the reference's by construction: score
-// (float64, __dsub_rn/__dadd_rn, no FMA contraction) first, then the
-// lexicographically smaller rank path, compared through the parent pointers
-// of popped nodes (no path digits to pack). The outputs (links, positions,
+// One CTA per request. Warp 0 runs the selection (tree_select.cuh: the frontier's best
+// 32 entries sorted across the lanes, the rest in shared memory), so the pop order is the
+// reference's by construction: score (float64, __dsub_rn/__dadd_rn, no FMA contraction)
+// first, then the lexicographically smaller rank path, compared through the parent
+// pointers of popped nodes. The request's log-probs are staged in shared memory first
+// (the pops read them on their critical path). The outputs (links, positions,
 // ancestor-closure masks) are then written by the whole CTA in parallel.
 #include <vector>
 
@@ -15,6 +16,7 @@ namespace {
 
 constexpr int BUILD_THREADS = 256;
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
+constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs; larger requests read global
 
 __global__ void __launch_bounds__(BUILD_THREADS)
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
@@ -24,13 +26,16 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
                    int64_t* __restrict__ depths, int32_t* __restrict__ parents,
                    int64_t* __restrict__ positions, int64_t* __restrict__ next_token,
                    int64_t* __restrict__ next_sibling, uint8_t* __restrict__ visibility,
-                   int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status) {
-  __shared__ Entry s_heap[MAX_SLOTS];
+                   int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status,
+                   int lp_ld) {
+  // lp_ld > 0: ranks [0, lp_ld) of every depth are staged in dynamic shared memory.
+  extern __shared__ float s_lp[];
+  __shared__ Entry s_overflow[MAX_SLOTS];
   __shared__ uint32_t s_nodes[MAX_SLOTS];
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
-  const Selection sel{s_heap, s_nodes, s_links[0], s_links[1], s_links[2]};
+  const Selection sel{s_overflow, s_nodes, s_links[0], s_links[1], s_links[2]};
 
   const float* lp = top_lp + (size_t)b * L * K;
   const int64_t* ids = top_ids + (size_t)b * L * K;
@@ -40,10 +45,12 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 
   // NaN / +inf anywhere in the request's log-probs: refuse the request (root-only tree).
   bool bad = false;
-  for (int i = tid; i < L * K; i += blockDim.x) {
-    const float v = lp[i];
-    bad |= (v != v) || (v == INFINITY);
-  }
+  for (int d = 0; d < L; ++d)
+    for (int r = tid; r < K; r += blockDim.x) {
+      const float v = lp[(size_t)d * K + r];
+      bad |= (v != v) || (v == INFINITY);
+      if (r < lp_ld) s_lp[d * lp_ld + r] = v;
+    }
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
 
   for (int i = tid; i < D; i += blockDim.x) {
@@ -51,7 +58,11 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   }
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
-  if (tid == 0) s_n = select_nodes(lp, L, K, budget, sel);
+  if (tid < 32) {
+    const int n = lp_ld > 0 ? select_nodes(s_lp, lp_ld, L, K, budget, sel)
+                            : select_nodes(lp, K, L, K, budget, sel);
+    if (tid == 0) s_n = n;
+  }
   __syncthreads();
   const int n = s_n;
   const int64_t prefix = prefix_lens ? prefix_lens[b] : 0;
@@ -118,26 +129,35 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int32_t* visibility_bits, int32_t* status, void* stream) {
   if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
-  kd::build_trees_kernel<<<B, kd::BUILD_THREADS, 0, (cudaStream_t)stream>>>(
+  // Budgets are clamped to D - 1, so no request reads ranks past min(K, D - 1).
+  int lp_ld = K < D - 1 ? K : D - 1;
+  size_t smem = (size_t)L * lp_ld * sizeof(float);
+  if (smem > kd::LP_SMEM_MAX) { lp_ld = 0; smem = 0; }
+  if (smem > 0) {
+    const cudaError_t e = cudaFuncSetAttribute(kd::build_trees_kernel,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  kd::build_trees_kernel<<<B, kd::BUILD_THREADS, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
-      parents, positions, next_token, next_sibling, visibility, visibility_bits, status);
+      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld);
   KD_LAUNCH_CHECK();
   return 0;
 }
 
-extern "C" int kd_version(void) { return 1; }
+extern "C" int kd_version(void) { return 2; }
 
 // The kernel's selection, run on the host over one request (for CPU-only checks).
 extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budget,
                                     int32_t* parents, int32_t* ranks, int32_t* depths) {
   if (L < 0 || K < 0 || budget > 1024 || L > kd::MAX_DEPTH) return -1;
   const int D = (budget > 0 ? budget : 0) + 1;
-  std::vector<kd::Entry> heap(D);
+  std::vector<kd::Entry> overflow(D);
   std::vector<uint32_t> nodes(D, kd::pack_node(0, 0, 0));
   std::vector<int16_t> links(3 * (size_t)D, -1);
-  const kd::Selection sel{heap.data(), nodes.data(), links.data(), links.data() + D,
+  const kd::Selection sel{overflow.data(), nodes.data(), links.data(), links.data() + D,
                           links.data() + 2 * D};
-  const int n = kd::select_nodes(top_lp, L, K, budget, sel);
+  const int n = kd::select_nodes(top_lp, K, L, K, budget, sel);
   parents[0] = -1; ranks[0] = 0; depths[0] = 0;
   for (int i = 1; i <= n; ++i) {
     parents[i] = kd::node_parent(nodes[i]); ranks[i] = kd::node_rank(nodes[i]);

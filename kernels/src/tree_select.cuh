@@ -1,6 +1,15 @@
-// Heap selection of the DDTree build (spec ddtree.md sections 2-3), shared by the
-// GPU kernel (one thread runs it over shared memory) and a host entry point that
-// lets CI check the very same code on a machine without a GPU.
+// Best-first selection of the DDTree build (spec ddtree.md sections 2-3), shared by the
+// GPU kernel (one warp per request) and a host entry point that runs the same code with
+// the 32 lanes in a loop, so CI checks the kernel's selection without a GPU.
+//
+// The frontier (what the spec's heap holds) is kept in two parts:
+//   lanes:    its best k <= 32 entries, sorted, one per lane (lane 0 holds the best);
+//   overflow: the rest, unordered in shared memory, each worse than every lane entry.
+// A pop takes lane 0; the popped node's next sibling and first child enter the lanes by
+// rank (one ballot and one shuffle each) or go to the overflow; when the lanes run dry,
+// the overflow's best entries move up. The frontier is the heap's set after every pop and
+// the order (score, then rank path) is total, so the pops are the reference's exactly,
+// with no assumption that scores fall along the tree.
 #pragma once
 #include "common.cuh"
 
@@ -9,13 +18,19 @@ namespace kd {
 #ifdef __CUDA_ARCH__
 #define KD_DADD(a, b) __dadd_rn(a, b)
 #define KD_DSUB(a, b) __dsub_rn(a, b)
+#define KD_LANE0 ((threadIdx.x & 31) == 0)
+#define KD_SYNCWARP() __syncwarp()
 #else
 #define KD_DADD(a, b) ((a) + (b))   // host double arithmetic: no contraction across calls
 #define KD_DSUB(a, b) ((a) - (b))
+#define KD_LANE0 true
+#define KD_SYNCWARP() ((void)0)
 #endif
 
-// A candidate (or popped node): parent index, rank among its siblings, depth,
-// packed in one word so that heap entries move as one 16-byte struct.
+constexpr unsigned FULL_MASK = 0xffffffffu;
+
+// A candidate (or popped node): parent index, rank among its siblings, depth, packed in
+// one word so that an entry moves as one 16-byte struct.
 constexpr int PARENT_BITS = 11, RANK_BITS = 10;
 constexpr int MAX_DEPTH = (1 << (32 - PARENT_BITS - RANK_BITS)) - 1;  // 2047
 KD_HD uint32_t pack_node(int parent, int rank, int depth) {
@@ -31,7 +46,7 @@ struct Entry {
 };
 
 struct Selection {
-  Entry* heap;             // binary heap, best on top; never more than n + 1 entries
+  Entry* overflow;         // frontier entries beyond the lanes; never more than n + 1
   uint32_t* nodes;         // popped nodes 1..n (node 0, the root, is never read)
   int16_t* next_token;     // left-child / right-sibling links of popped nodes
   int16_t* next_sibling;
@@ -59,75 +74,178 @@ KD_HD bool better(const uint32_t* nodes, const Entry& x, const Entry& y) {
   return path_less(nodes, x.node, y.node);
 }
 
-KD_HD void sift_down(const Selection& s, int size) {
-  Entry* h = s.heap;
-  const Entry top = h[0];
-  int i = 0;
-  while (true) {
-    const int l = 2 * i + 1, r = l + 1;
-    if (l >= size) break;
-    const int c = (r < size && better(s.nodes, h[r], h[l])) ? r : l;
-    if (!better(s.nodes, h[c], top)) break;
-    h[i] = h[c];
-    i = c;
-  }
-  h[i] = top;
+// ---- the lanes: the warp primitives, each with its host loop ----------------------
+struct Lanes {
+#ifdef __CUDA_ARCH__
+  Entry e;      // this lane's entry (meaningful for lanes < k)
+#else
+  Entry e[32];
+#endif
+  int k;        // lanes holding an entry (the same on every lane)
+};
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ Entry shfl_entry(const Entry& x, int src) {
+  Entry r;
+  r.score = __shfl_sync(FULL_MASK, x.score, src);
+  r.node = __shfl_sync(FULL_MASK, x.node, src);
+  return r;
+}
+#endif
+
+// The entry of lane j, on every lane.
+KD_HD Entry lane_get(const Lanes& f, int j) {
+#ifdef __CUDA_ARCH__
+  return shfl_entry(f.e, j);
+#else
+  return f.e[j];
+#endif
 }
 
-KD_HD void sift_up(const Selection& s, int i) {
-  Entry* h = s.heap;
-  const Entry e = h[i];
-  while (i > 0) {
-    const int p = (i - 1) / 2;
-    if (!better(s.nodes, e, h[p])) break;
-    h[i] = h[p];
-    i = p;
-  }
-  h[i] = e;
+// How many of lanes [from, k) hold an entry better than x.
+KD_HD int count_better(const uint32_t* nodes, const Lanes& f, int from, const Entry& x) {
+#ifdef __CUDA_ARCH__
+  const int j = threadIdx.x & 31;
+  return __popc(__ballot_sync(FULL_MASK, j >= from && j < f.k && better(nodes, f.e, x)));
+#else
+  int c = 0;
+  for (int j = from; j < f.k; ++j) c += better(nodes, f.e[j], x);
+  return c;
+#endif
 }
 
-KD_HD double load_lp(const float* lp, int K, int d, int r) {
-  float v = lp[(size_t)d * K + r];
+// Lanes become: the old lanes without lane 0 if `drop`, with x inserted at `pos` if
+// `insert`. Lanes past the new end hold junk and are never read. k is the caller's.
+KD_HD void splice(Lanes& f, int drop, bool insert, int pos, const Entry& x) {
+#ifdef __CUDA_ARCH__
+  const int j = threadIdx.x & 31;
+  const int src = min(j + drop - (insert && j > pos ? 1 : 0), 31);
+  const Entry v = shfl_entry(f.e, src);
+  f.e = (insert && j == pos) ? x : v;
+#else
+  Entry old[32];
+  for (int j = 0; j < 32; ++j) old[j] = f.e[j];
+  for (int j = 0; j < 32; ++j) {
+    const int src = j + drop - (insert && j > pos ? 1 : 0);
+    f.e[j] = (insert && j == pos) ? x : old[src < 31 ? src : 31];
+  }
+#endif
+}
+
+// Index of the best overflow entry (nov > 0), on every lane.
+KD_HD int overflow_best(const Selection& s, int nov) {
+#ifdef __CUDA_ARCH__
+  const int lane = threadIdx.x & 31;
+  Entry b = s.overflow[0];
+  int bi = 0;
+  for (int i = lane; i < nov; i += 32) {
+    const Entry e = s.overflow[i];
+    if (better(s.nodes, e, b)) { b = e; bi = i; }
+  }
+  for (int off = 16; off > 0; off >>= 1) {  // butterfly: every lane ends with the best
+    const Entry o = shfl_entry(b, lane ^ off);
+    const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+    if (better(s.nodes, o, b)) { b = o; bi = oi; }
+  }
+  return bi;
+#else
+  int bi = 0;
+  for (int i = 1; i < nov; ++i)
+    if (better(s.nodes, s.overflow[i], s.overflow[bi])) bi = i;
+  return bi;
+#endif
+}
+// ------------------------------------------------------------------------------------
+
+KD_HD void overflow_append(const Selection& s, int& nov, const Entry& x) {
+  if (KD_LANE0) s.overflow[nov] = x;
+  ++nov;
+}
+
+// x joins the frontier: into the lanes by rank if it beats the overflow, else the overflow.
+KD_HD void push(Lanes& f, const Selection& s, int& nov, const Entry& x) {
+  if (f.k == 32) {
+    const Entry worst = lane_get(f, 31);
+    if (better(s.nodes, x, worst)) {  // x enters, the worst lane entry moves down
+      overflow_append(s, nov, worst);
+      splice(f, 0, true, count_better(s.nodes, f, 0, x), x);
+    } else {
+      overflow_append(s, nov, x);
+    }
+  } else if (nov == 0 || (f.k > 0 && better(s.nodes, x, lane_get(f, f.k - 1)))) {
+    splice(f, 0, true, count_better(s.nodes, f, 0, x), x);
+    ++f.k;
+  } else {
+    overflow_append(s, nov, x);
+  }
+}
+
+// Lanes ran dry: move the overflow's best entries up, best first.
+KD_HD void refill(Lanes& f, const Selection& s, int& nov) {
+  while (f.k < 32 && nov > 0) {
+    const int i = overflow_best(s, nov);
+    const Entry x = s.overflow[i];
+    KD_SYNCWARP();  // every lane has read slot i before lane 0 overwrites it
+    if (KD_LANE0) s.overflow[i] = s.overflow[nov - 1];
+    --nov;
+    splice(f, 0, true, f.k, x);
+    ++f.k;
+    KD_SYNCWARP();
+  }
+}
+
+// Log-prob of rank r at depth d; lp has row stride ld.
+KD_HD double load_lp(const float* lp, int ld, int d, int r) {
+  float v = lp[(size_t)d * ld + r];
   if (v == -INFINITY) v = NEG_INF_FLOOR;  // spec policy, identical to kdtree.checks
   return (double)v;
 }
 
-// The spec's heap loop; returns the node count n. nodes[1..n] and the links are written.
-KD_HD int select_nodes(const float* lp, int L, int K, int budget, const Selection& s) {
+// The spec's best-first loop over one request; every lane of the warp calls it and gets
+// the node count n. nodes[1..n] and the links are written (by lane 0).
+KD_HD int select_nodes(const float* lp, int ld, int L, int K, int budget, const Selection& s) {
   const int Keff = min(budget, K);
   if (budget <= 0 || L == 0 || Keff == 0) return 0;
-  Entry* h = s.heap;
-  int size = 1, n = 0;
-  h[0].score = load_lp(lp, K, 0, 0);
-  h[0].node = pack_node(0, 0, 1);
-  while (size > 0 && n < budget) {
-    const Entry top = h[0];
+  Lanes f;
+  f.k = 1;
+  int nov = 0, n = 0;
+  const Entry root_child{load_lp(lp, ld, 0, 0), pack_node(0, 0, 1)};
+#ifdef __CUDA_ARCH__
+  f.e = root_child;
+#else
+  f.e[0] = root_child;
+#endif
+  while (f.k > 0 && n < budget) {
+    const Entry top = lane_get(f, 0);
     const int parent = node_parent(top.node), rank = node_rank(top.node), depth = node_depth(top.node);
     ++n;
-#ifdef KD_TRACE
-    printf("pop n=%d parent=%d rank=%d depth=%d s=%.17g size=%d\n", n, parent, rank, depth, top.score, size);
-#endif
-    s.nodes[n] = top.node;
-    const int last = s.last_child[parent];
-    if (last < 0) s.next_token[parent] = (int16_t)n; else s.next_sibling[last] = (int16_t)n;
-    s.last_child[parent] = (int16_t)n;
-    // The next sibling replaces the popped top (the same heap content as pop + push:
-    // the order is total, so the pop sequence is the reference's).
+    if (KD_LANE0) {
+      s.nodes[n] = top.node;
+      const int last = s.last_child[parent];
+      if (last < 0) s.next_token[parent] = (int16_t)n; else s.next_sibling[last] = (int16_t)n;
+      s.last_child[parent] = (int16_t)n;
+    }
+    KD_SYNCWARP();  // nodes[n] is read by path comparisons below
+    // The next sibling takes the popped entry's place (pop + push, in one splice).
     if (rank + 1 < Keff) {
-      h[0].score = KD_DADD(KD_DSUB(top.score, load_lp(lp, K, depth - 1, rank)),
-                           load_lp(lp, K, depth - 1, rank + 1));
-      h[0].node = pack_node(parent, rank + 1, depth);
+      const Entry sib{KD_DADD(KD_DSUB(top.score, load_lp(lp, ld, depth - 1, rank)),
+                              load_lp(lp, ld, depth - 1, rank + 1)),
+                      pack_node(parent, rank + 1, depth)};
+      if (nov == 0 || (f.k > 1 && better(s.nodes, sib, lane_get(f, f.k - 1)))) {
+        splice(f, 1, true, count_better(s.nodes, f, 1, sib), sib);
+      } else {
+        splice(f, 1, false, 0, sib);
+        --f.k;
+        overflow_append(s, nov, sib);
+      }
     } else {
-      --size;
-      h[0] = h[size];
+      splice(f, 1, false, 0, top);
+      --f.k;
     }
-    if (size > 1) sift_down(s, size);
-    if (depth < L) {
-      h[size].score = KD_DADD(top.score, load_lp(lp, K, depth, 0));
-      h[size].node = pack_node(n, 0, depth + 1);
-      sift_up(s, size);
-      ++size;
-    }
+    if (depth < L)
+      push(f, s, nov, Entry{KD_DADD(top.score, load_lp(lp, ld, depth, 0)), pack_node(n, 0, depth + 1)});
+    KD_SYNCWARP();  // overflow writes are visible before a refill reads them
+    if (f.k == 0 && nov > 0) refill(f, s, nov);
   }
   return n;
 }
