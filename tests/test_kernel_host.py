@@ -107,3 +107,14 @@ def test_bindings_name_bad_arguments_without_a_gpu():
         ops.tree_accept(torch.zeros(2, 5, dtype=torch.long), None, None, None, 15)
     with pytest.raises(InputError, match="q: expected a CUDA tensor, got device cpu"):
         ops.verify_attention(torch.zeros(1, 2, 8, 576), None, None, None, None, 0.13)
+
+
+@pytest.mark.parametrize("L", [16, 17, 40])
+def test_kernel_selection_long_blocks(lib, L):
+    """L <= 16 orders ties by packed path keys, longer blocks by walking parent pointers."""
+    for seed, V, budget in ((L, 3, 300), (L + 1, 50, 1024)):
+        lp, ids = stage_a_inputs(3, L, V, budget, seed=seed, coarse_fraction=1.0)
+        for b in range(3):
+            t = build_tree(lp[b].numpy(), ids[b].numpy(), budget)
+            par, dep = host_select(lib, lp[b].numpy(), budget)
+            assert np.array_equal(par, t.parents) and np.array_equal(dep, t.depths), (seed, b)

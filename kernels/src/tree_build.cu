@@ -27,15 +27,18 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
                    int64_t* __restrict__ positions, int64_t* __restrict__ next_token,
                    int64_t* __restrict__ next_sibling, uint8_t* __restrict__ visibility,
                    int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status,
-                   int lp_ld) {
-  // lp_ld > 0: ranks [0, lp_ld) of every depth are staged in dynamic shared memory.
-  extern __shared__ float s_lp[];
+                   int lp_ld, int use_keys) {
+  // Dynamic shared memory: path keys [D][4] (if use_keys), then the staged log-probs
+  // (ranks [0, lp_ld) of every depth, if lp_ld > 0).
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  uint64_t* s_keys = use_keys ? reinterpret_cast<uint64_t*>(s_dyn) : nullptr;
+  float* s_lp = reinterpret_cast<float*>(s_dyn + (use_keys ? (size_t)D * KEY_WORDS * 8 : 0));
   __shared__ Entry s_overflow[MAX_SLOTS];
   __shared__ uint32_t s_nodes[MAX_SLOTS];
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
-  const Selection sel{s_overflow, s_nodes, s_links[0], s_links[1], s_links[2]};
+  const Selection sel{s_overflow, s_nodes, s_keys, s_links[0], s_links[1], s_links[2]};
 
   const float* lp = top_lp + (size_t)b * L * K;
   const int64_t* ids = top_ids + (size_t)b * L * K;
@@ -57,6 +60,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     sel.next_token[i] = -1; sel.next_sibling[i] = -1; sel.last_child[i] = -1;
   }
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
+  if (use_keys && tid < KEY_WORDS) s_keys[tid] = 0;  // the root's path is empty
   __syncthreads();
   if (tid < 32) {
     const int n = lp_ld > 0 ? select_nodes(s_lp, lp_ld, L, K, budget, sel)
@@ -129,18 +133,30 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int32_t* visibility_bits, int32_t* status, void* stream) {
   if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
-  // Budgets are clamped to D - 1, so no request reads ranks past min(K, D - 1).
+  // Dynamic shared memory, as far as this device allows per block: path keys first
+  // (they make ties cheap), then the staged log-probs (budgets are clamped to D - 1, so
+  // no request reads ranks past min(K, D - 1)).
+  int dev = 0, optin = 0;
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
+  if (e != cudaSuccess) return (int)e;
+  const size_t room = (size_t)optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
+  const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
+  const int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
   int lp_ld = K < D - 1 ? K : D - 1;
-  size_t smem = (size_t)L * lp_ld * sizeof(float);
-  if (smem > kd::LP_SMEM_MAX) { lp_ld = 0; smem = 0; }
+  size_t lp_bytes = (size_t)L * lp_ld * sizeof(float);
+  const size_t smem_keys = use_keys ? key_bytes : 0;
+  if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > room) { lp_ld = 0; lp_bytes = 0; }
+  const size_t smem = smem_keys + lp_bytes;
   if (smem > 0) {
-    const cudaError_t e = cudaFuncSetAttribute(kd::build_trees_kernel,
-                                               cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
   }
   kd::build_trees_kernel<<<B, kd::BUILD_THREADS, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
-      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld);
+      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld, use_keys);
   KD_LAUNCH_CHECK();
   return 0;
 }
@@ -154,8 +170,10 @@ extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budge
   const int D = (budget > 0 ? budget : 0) + 1;
   std::vector<kd::Entry> overflow(D);
   std::vector<uint32_t> nodes(D, kd::pack_node(0, 0, 0));
+  std::vector<uint64_t> keys((size_t)D * kd::KEY_WORDS, 0);
   std::vector<int16_t> links(3 * (size_t)D, -1);
-  const kd::Selection sel{overflow.data(), nodes.data(), links.data(), links.data() + D,
+  const kd::Selection sel{overflow.data(), nodes.data(),
+                          L <= kd::KEY_DEPTH ? keys.data() : nullptr, links.data(), links.data() + D,
                           links.data() + 2 * D};
   const int n = kd::select_nodes(top_lp, K, L, K, budget, sel);
   parents[0] = -1; ranks[0] = 0; depths[0] = 0;

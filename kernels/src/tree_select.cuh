@@ -7,7 +7,10 @@
 //   overflow: the rest, unordered in shared memory, each worse than every lane entry.
 // A pop takes lane 0; the popped node's next sibling and first child enter the lanes by
 // rank (one ballot and one shuffle each) or go to the overflow; when the lanes run dry,
-// the overflow's best entries move up. The frontier is the heap's set after every pop and
+// the overflow's best entries move up. Equal scores (frequent: bf16 logits) are ordered by
+// rank path; for L <= 16 each popped node keeps its path as a 256-bit key (16-bit digits,
+// most significant first), so a tie costs four word compares instead of a walk up the tree.
+// The frontier is the heap's set after every pop and
 // the order (score, then rank path) is total, so the pops are the reference's exactly,
 // with no assumption that scores fall along the tree.
 #pragma once
@@ -45,9 +48,12 @@ struct Entry {
   uint32_t node;
 };
 
+constexpr int KEY_WORDS = 4, KEY_DEPTH = 16;  // path keys: 16 digits of 16 bits
+
 struct Selection {
   Entry* overflow;         // frontier entries beyond the lanes; never more than n + 1
   uint32_t* nodes;         // popped nodes 1..n (node 0, the root, is never read)
+  uint64_t* keys;          // path keys of popped nodes [n + 1][KEY_WORDS], or null (L > 16)
   int16_t* next_token;     // left-child / right-sibling links of popped nodes
   int16_t* next_sibling;
   int16_t* last_child;
@@ -69,9 +75,25 @@ KD_HD bool path_less(const uint32_t* nodes, uint32_t a, uint32_t b) {
   return ra < rb;
 }
 
-KD_HD bool better(const uint32_t* nodes, const Entry& x, const Entry& y) {
+// Word w of the path key of node-or-candidate m: its parent's key plus its own digit.
+KD_HD uint64_t key_word(const uint64_t* keys, uint32_t m, int w) {
+  const int d = node_depth(m) - 1;  // digit index of m's own rank
+  uint64_t k = keys[(size_t)node_parent(m) * KEY_WORDS + w];
+  if ((d >> 2) == w) k |= (uint64_t)(node_rank(m) + 1) << ((3 - (d & 3)) * 16);
+  return k;
+}
+
+KD_HD bool key_less(const uint64_t* keys, uint32_t a, uint32_t b) {
+  for (int w = 0; w < KEY_WORDS; ++w) {
+    const uint64_t ka = key_word(keys, a, w), kb = key_word(keys, b, w);
+    if (ka != kb) return ka < kb;
+  }
+  return false;
+}
+
+KD_HD bool better(const Selection& s, const Entry& x, const Entry& y) {
   if (x.score != y.score) return x.score > y.score;
-  return path_less(nodes, x.node, y.node);
+  return s.keys ? key_less(s.keys, x.node, y.node) : path_less(s.nodes, x.node, y.node);
 }
 
 // ---- the lanes: the warp primitives, each with its host loop ----------------------
@@ -103,13 +125,13 @@ KD_HD Entry lane_get(const Lanes& f, int j) {
 }
 
 // How many of lanes [from, k) hold an entry better than x.
-KD_HD int count_better(const uint32_t* nodes, const Lanes& f, int from, const Entry& x) {
+KD_HD int count_better(const Selection& s, const Lanes& f, int from, const Entry& x) {
 #ifdef __CUDA_ARCH__
   const int j = threadIdx.x & 31;
-  return __popc(__ballot_sync(FULL_MASK, j >= from && j < f.k && better(nodes, f.e, x)));
+  return __popc(__ballot_sync(FULL_MASK, j >= from && j < f.k && better(s, f.e, x)));
 #else
   int c = 0;
-  for (int j = from; j < f.k; ++j) c += better(nodes, f.e[j], x);
+  for (int j = from; j < f.k; ++j) c += better(s, f.e[j], x);
   return c;
 #endif
 }
@@ -140,18 +162,18 @@ KD_HD int overflow_best(const Selection& s, int nov) {
   int bi = 0;
   for (int i = lane; i < nov; i += 32) {
     const Entry e = s.overflow[i];
-    if (better(s.nodes, e, b)) { b = e; bi = i; }
+    if (better(s, e, b)) { b = e; bi = i; }
   }
   for (int off = 16; off > 0; off >>= 1) {  // butterfly: every lane ends with the best
     const Entry o = shfl_entry(b, lane ^ off);
     const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-    if (better(s.nodes, o, b)) { b = o; bi = oi; }
+    if (better(s, o, b)) { b = o; bi = oi; }
   }
   return bi;
 #else
   int bi = 0;
   for (int i = 1; i < nov; ++i)
-    if (better(s.nodes, s.overflow[i], s.overflow[bi])) bi = i;
+    if (better(s, s.overflow[i], s.overflow[bi])) bi = i;
   return bi;
 #endif
 }
@@ -166,14 +188,14 @@ KD_HD void overflow_append(const Selection& s, int& nov, const Entry& x) {
 KD_HD void push(Lanes& f, const Selection& s, int& nov, const Entry& x) {
   if (f.k == 32) {
     const Entry worst = lane_get(f, 31);
-    if (better(s.nodes, x, worst)) {  // x enters, the worst lane entry moves down
+    if (better(s, x, worst)) {  // x enters, the worst lane entry moves down
       overflow_append(s, nov, worst);
-      splice(f, 0, true, count_better(s.nodes, f, 0, x), x);
+      splice(f, 0, true, count_better(s, f, 0, x), x);
     } else {
       overflow_append(s, nov, x);
     }
-  } else if (nov == 0 || (f.k > 0 && better(s.nodes, x, lane_get(f, f.k - 1)))) {
-    splice(f, 0, true, count_better(s.nodes, f, 0, x), x);
+  } else if (nov == 0 || (f.k > 0 && better(s, x, lane_get(f, f.k - 1)))) {
+    splice(f, 0, true, count_better(s, f, 0, x), x);
     ++f.k;
   } else {
     overflow_append(s, nov, x);
@@ -221,18 +243,20 @@ KD_HD int select_nodes(const float* lp, int ld, int L, int K, int budget, const 
     ++n;
     if (KD_LANE0) {
       s.nodes[n] = top.node;
+      if (s.keys)
+        for (int w = 0; w < KEY_WORDS; ++w) s.keys[(size_t)n * KEY_WORDS + w] = key_word(s.keys, top.node, w);
       const int last = s.last_child[parent];
       if (last < 0) s.next_token[parent] = (int16_t)n; else s.next_sibling[last] = (int16_t)n;
       s.last_child[parent] = (int16_t)n;
     }
-    KD_SYNCWARP();  // nodes[n] is read by path comparisons below
+    KD_SYNCWARP();  // nodes[n] and keys[n] are read by path comparisons below
     // The next sibling takes the popped entry's place (pop + push, in one splice).
     if (rank + 1 < Keff) {
       const Entry sib{KD_DADD(KD_DSUB(top.score, load_lp(lp, ld, depth - 1, rank)),
                               load_lp(lp, ld, depth - 1, rank + 1)),
                       pack_node(parent, rank + 1, depth)};
-      if (nov == 0 || (f.k > 1 && better(s.nodes, sib, lane_get(f, f.k - 1)))) {
-        splice(f, 1, true, count_better(s.nodes, f, 1, sib), sib);
+      if (nov == 0 || (f.k > 1 && better(s, sib, lane_get(f, f.k - 1)))) {
+        splice(f, 1, true, count_better(s, f, 1, sib), sib);
       } else {
         splice(f, 1, false, 0, sib);
         --f.k;
