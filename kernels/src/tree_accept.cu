@@ -10,11 +10,18 @@
 namespace kd {
 namespace {
 
-constexpr int ACCEPT_WARPS = 4;                      // requests per CTA
+constexpr int ACCEPT_WARPS = 4;                      // requests per CTA, at most
 constexpr size_t ACCEPT_SMEM_MAX = 96 * 1024;        // fits sm_90 and sm_120 opt-in limits
-// Per request: candidates and target (int64), next_token and next_sibling (int16).
+
+// One slot as the walk reads it: a visit is one 16-byte shared-memory load.
+struct alignas(16) Slot {
+  int64_t candidate;
+  int32_t next_token;     // -1 (or out of range in the input): no child
+  int32_t next_sibling;
+};
+// Per request: the slots, then the targets (read once per accepted slot).
 __host__ __device__ inline size_t accept_row_bytes(int D) {
-  return ((size_t)D * 20 + 15) / 16 * 16;
+  return ((size_t)D * (sizeof(Slot) + 8) + 15) / 16 * 16;
 }
 
 template <bool STAGED>
@@ -25,7 +32,7 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
                    int32_t* __restrict__ accept_len, int64_t* __restrict__ bonus) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int b = blockIdx.x * ACCEPT_WARPS + warp;
+  const int b = blockIdx.x * (blockDim.x >> 5) + warp;
   if (b >= B) return;  // the whole warp leaves together
   const size_t row = (size_t)b * D;
   const int64_t* cand = candidates + row;
@@ -33,31 +40,33 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
   int k = 0;
   int64_t want = 0;
   if (STAGED) {
-    int64_t* s_cand = reinterpret_cast<int64_t*>(smem + warp * accept_row_bytes(D));
-    int64_t* s_tgt = s_cand + D;
-    int16_t* s_nt = reinterpret_cast<int16_t*>(s_tgt + D);
-    int16_t* s_ns = s_nt + D;
+    Slot* s_slot = reinterpret_cast<Slot*>(smem + warp * accept_row_bytes(D));
+    int64_t* s_tgt = reinterpret_cast<int64_t*>(s_slot + D);
+#pragma unroll 4
     for (int i = lane; i < D; i += 32) {
       const int64_t nt = next_token[row + i], ns = next_sibling[row + i];
-      s_cand[i] = cand[i];
+      Slot v;
+      v.candidate = cand[i];
+      v.next_token = (int32_t)(nt >= 0 && nt < D ? nt : -1);  // out of range ends the walk
+      v.next_sibling = (int32_t)(ns >= 0 && ns < D ? ns : -1);
+      s_slot[i] = v;
       s_tgt[i] = tgt[i];
-      s_nt[i] = (int16_t)(nt >= 0 && nt < D ? nt : -1);  // out of range ends the walk
-      s_ns[i] = (int16_t)(ns >= 0 && ns < D ? ns : -1);
     }
     __syncwarp();
     if (lane == 0) {
       int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
       idx[0] = (int32_t)row;
       want = s_tgt[0];
-      int child = s_nt[0];
+      int child = s_slot[0].next_token;
       // Each step visits a new slot; the cap keeps a cyclic (corrupt) list from hanging.
       for (int steps = 0; child >= 0 && k < max_depth && steps < D; ++steps) {
-        if (s_cand[child] == want) {
+        const Slot v = s_slot[child];
+        if (v.candidate == want) {
           idx[++k] = (int32_t)(row + child);
           want = s_tgt[child];
-          child = s_nt[child];
+          child = v.next_token;
         } else {
-          child = s_ns[child];
+          child = v.next_sibling;
         }
       }
     }
@@ -94,18 +103,20 @@ extern "C" int kd_tree_accept(const int64_t* candidates, const int64_t* next_tok
                               int64_t* bonus, void* stream) {
   if (B < 0 || D < 1 || max_depth < 0) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
-  const int threads = kd::ACCEPT_WARPS * 32;
-  const int blocks = kd::ceil_div(B, kd::ACCEPT_WARPS);
-  const size_t smem = kd::ACCEPT_WARPS * kd::accept_row_bytes(D);
   cudaStream_t st = (cudaStream_t)stream;
-  if (D <= 32767 && smem <= kd::ACCEPT_SMEM_MAX) {  // int16 links
+  const size_t row_bytes = kd::accept_row_bytes(D);
+  int warps = kd::ACCEPT_WARPS;
+  while (warps > 1 && warps * row_bytes > kd::ACCEPT_SMEM_MAX) warps /= 2;
+  const int blocks = kd::ceil_div(B, warps);
+  if (warps * row_bytes <= kd::ACCEPT_SMEM_MAX) {
+    const size_t smem = warps * row_bytes;
     const cudaError_t e = cudaFuncSetAttribute(kd::tree_accept_kernel<true>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
-    kd::tree_accept_kernel<true><<<blocks, threads, smem, st>>>(
+    kd::tree_accept_kernel<true><<<blocks, warps * 32, smem, st>>>(
         candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, accept_len, bonus);
-  } else {
-    kd::tree_accept_kernel<false><<<blocks, threads, 0, st>>>(
+  } else {  // rows too wide to stage (D > ~4000)
+    kd::tree_accept_kernel<false><<<blocks, warps * 32, 0, st>>>(
         candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, accept_len, bonus);
   }
   KD_LAUNCH_CHECK();

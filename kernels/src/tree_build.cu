@@ -47,13 +47,15 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (budget > D - 1) { budget = D - 1; flags |= KD_STATUS_BUDGET_CLAMPED; }
 
   // NaN / +inf anywhere in the request's log-probs: refuse the request (root-only tree).
+  // One flat loop, unrolled: the loads are independent, so they overlap.
   bool bad = false;
-  for (int d = 0; d < L; ++d)
-    for (int r = tid; r < K; r += blockDim.x) {
-      const float v = lp[(size_t)d * K + r];
-      bad |= (v != v) || (v == INFINITY);
-      if (r < lp_ld) s_lp[d * lp_ld + r] = v;
-    }
+#pragma unroll 4
+  for (int i = tid; i < L * K; i += blockDim.x) {
+    const float v = lp[i];
+    bad |= (v != v) || (v == INFINITY);
+    const int d = i / K, r = i - d * K;
+    if (r < lp_ld) s_lp[d * lp_ld + r] = v;
+  }
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
 
   for (int i = tid; i < D; i += blockDim.x) {
