@@ -54,9 +54,10 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
                         int num_splits, void* out, float* lse, float* partial_out,
                         float* partial_lse, void* stream);
 
-// The tile the current device gets (chosen by its shared-memory limit per block):
-// query rows per CTA and keys per shared-memory tile, for sizing splits on the host.
-int kd_verify_tile(int* rows_per_cta, int* keys_per_tile);
+// The tile the current device gets for R = D*H query rows (chosen by R and the device's
+// shared memory per block): query rows per CTA and keys per shared-memory tile, for
+// sizing splits on the host.
+int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile);
 
 #ifdef __cplusplus
 }

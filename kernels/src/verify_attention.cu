@@ -1,15 +1,19 @@
 // Tree-verify attention in MLA absorbed form (spec verify_attention.md).
 //
 // All H heads share one latent KV head, so a request's D*H query rows (slot-major,
-// row = i*H + h) are one matrix against one key matrix. A CTA takes a tile of
-// ROWS query rows of one request and one split of its keys, streams the keys
-// through shared memory in tiles of KEYS rows (cp.async, double buffered) and
-// keeps an online softmax in float32:
-//   warps 0-3: S = Q K^T for 16 rows each, scale, tree mask, softmax update,
-//              P (bf16) and the row rescale factors to shared memory;
-//   warps 0-7: O = alpha * O + P V, each warp 16 rows x 256 of the 512 columns.
-// With one split the CTA writes out/lse; with several it writes float32
-// partials that the combine kernel at the end of this file merges by their LSEs.
+// row = i*H + h) are one matrix against one key matrix. A CTA takes a tile of ROWS
+// query rows of one request and one split of its keys, streams the keys through
+// shared memory in tiles of 32 (cp.async, STAGES-deep ring) and keeps an online
+// softmax in float32. Warps come in pairs per 16-row block (SW pairs):
+//   S = Q K^T:    warp half h of a pair takes keys 16h..16h+15 of the tile, with four
+//                 independent accumulator sets (k-steps mod 4) so the tensor pipe is not
+//                 waiting on one dependent chain (v1 was latency-bound: ncu "wait" stalls);
+//   softmax:      the pair swaps row maxima through shared memory (64-thread named
+//                 barrier), each warp keeps the row sum of its own keys;
+//   O += P V:     warp half h owns output columns 256h..256h+255 of the pair's rows,
+//                 so the rescale factors stay in registers.
+// One __syncthreads per key tile. With one split the CTA writes out/lse; with several
+// it writes float32 partials that the combine kernel at the end of this file merges.
 #include "mma.cuh"
 
 namespace kd {
@@ -17,26 +21,29 @@ namespace {
 
 constexpr int LD = QK_DIM + 8;      // padded row stride (elements): conflict-free ldmatrix
 constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
+constexpr int KEYS = 32;            // keys per shared-memory tile (16 per warp in S = QK^T)
+constexpr int PLD = KEYS + 8;       // P row stride
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
-// Tile shape: SW softmax warps of 16 rows each; 2*SW warps in all (two column halves).
-// Large: 64 rows x 32 keys, 155 KB of shared memory (Hopper, 227 KB per block).
-// Small: 32 rows x 16 keys, 75 KB (sm_120 parts allow 99 KB per block).
-template <int SW_, int KEYS_>
+// SW warp pairs (16 query rows each), a ring of STAGES key tiles.
+template <int SW_, int STAGES_>
 struct Tile {
   static constexpr int SW = SW_;
-  static constexpr int KEYS = KEYS_;
+  static constexpr int STAGES = STAGES_;
   static constexpr int ROWS = 16 * SW;
   static constexpr int THREADS = 64 * SW;
-  static constexpr int PLD = KEYS + 8;
   static constexpr size_t SMEM_Q = (size_t)ROWS * LD * 2;
   static constexpr size_t SMEM_KV = (size_t)KEYS * LD * 2;
   static constexpr size_t SMEM_P = (size_t)ROWS * PLD * 2;
-  static constexpr size_t SMEM_BYTES = SMEM_Q + 2 * SMEM_KV + SMEM_P + 3 * ROWS * sizeof(float);
+  static constexpr size_t SMEM_BYTES = SMEM_Q + STAGES * SMEM_KV + SMEM_P + 4 * ROWS * sizeof(float);
 };
-using TileLarge = Tile<4, 32>;
-using TileSmall = Tile<2, 16>;
+// Hopper (227 KB per block): 64, 32 or 16 rows with a 3-deep ring (193 / 153 / 132 KB).
+// sm_120 (99 KB per block): 16 rows, double buffered (95 KB).
+using Tile64 = Tile<4, 3>;
+using Tile32 = Tile<2, 3>;
+using Tile16 = Tile<1, 3>;
+using Tile16Lean = Tile<1, 2>;
 
 struct Params {
   const __nv_bfloat16* q;
@@ -62,12 +69,17 @@ __device__ __forceinline__ bool visible(const Params& p, int b, int i, int j) {
   return static_cast<const uint8_t*>(p.vis)[((size_t)b * p.D + i) * p.D + j] != 0;
 }
 
+// The two warps of a pair meet here (ids 1..SW; 0 is __syncthreads).
+__device__ __forceinline__ void pair_barrier(int pair) {
+  asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory");
+}
+
 // Async load of key rows [k0, k0 + KEYS) of request b into a tile; rows at or past
 // `end` are zero-filled so no NaN from unused pages can reach P*V.
 template <class T>
 __device__ __forceinline__ void load_kv_tile(const Params& p, int b, int k0, int end,
                                              __nv_bfloat16* tile) {
-  for (int c = threadIdx.x; c < T::KEYS * CHUNKS; c += T::THREADS) {
+  for (int c = threadIdx.x; c < KEYS * CHUNKS; c += T::THREADS) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
     const int pos = k0 + r;
     const __nv_bfloat16* src = p.kv;
@@ -83,18 +95,21 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, int b, int k0, int
 
 template <class T>
 __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params p) {
-  constexpr int ROWS = T::ROWS, KEYS = T::KEYS, THREADS = T::THREADS, SW = T::SW, PLD = T::PLD;
+  constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
   __nv_bfloat16* sKV0 = reinterpret_cast<__nv_bfloat16*>(smem + T::SMEM_Q);
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + T::SMEM_Q + 2 * T::SMEM_KV);
-  float* sAlpha = reinterpret_cast<float*>(smem + T::SMEM_Q + 2 * T::SMEM_KV + T::SMEM_P);
-  float* sM = sAlpha + ROWS;
-  float* sL = sM + ROWS;
+  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV);
+  float* sMax = reinterpret_cast<float*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV + T::SMEM_P);
+  float* sSum = sMax + 2 * ROWS;  // [half][row], exchanged once at the end
 
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int pair = warp % SW, half = warp / SW;
+  const int qrow = pair * 16;          // the pair's 16 rows within the tile
+  const int col0 = half * 256;         // this warp's output columns
+  const int key0 = half * 16;          // this warp's keys within a tile, for S
   // Clamped to the block table so a bad length cannot read past it (the host cannot check
   // device-side lengths without a sync; the Python reference rejects them).
   const int seq = min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
@@ -107,111 +122,120 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
   const int k_end = min(seq, k_begin + tiles_per * KEYS);
   const int ntiles = k_end > k_begin ? ceil_div(k_end - k_begin, KEYS) : 0;
 
-  // Q tile (rows past R zero-filled) and the first key tile.
+  // Q tile (rows past R zero-filled) rides in the first group with key tile 0.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
     const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
     const bool ok = m0 + r < p.R;
     const __nv_bfloat16* src = ok ? p.q + ((size_t)b * p.R + m0 + r) * QK_DIM + col : p.q;
     cp_async16(sQ + r * LD + col, src, ok ? 16 : 0);
   }
-  if (ntiles > 0) load_kv_tile<T>(p, b, k_begin, k_end, sKV0);
-  cp_async_commit();
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < ntiles) load_kv_tile<T>(p, b, k_begin + st * KEYS, k_end, sKV0 + st * KEYS * LD);
+    cp_async_commit();
+  }
 
-  const int qrow = (warp % SW) * 16;   // this warp's 16 rows within the tile
-  const int col0 = (warp / SW) * 256;  // this warp's output columns
   float o[32][4];
 #pragma unroll
   for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warps 0-3 only
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this warp's keys
   // Tree slot of this thread's two rows (g, g+8), for the mask.
   const int slot0 = (m0 + qrow + g) / p.H, slot1 = (m0 + qrow + g + 8) / p.H;
 
   for (int it = 0; it < ntiles; ++it) {
-    const int k0 = k_begin + it * KEYS;
-    if (it + 1 < ntiles)
-      load_kv_tile<T>(p, b, k0 + KEYS, k_end, sKV0 + ((it + 1) & 1) * KEYS * LD);
-    cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();
-    const __nv_bfloat16* sK = sKV0 + (it & 1) * KEYS * LD;
-
-    if (warp < SW) {
-      constexpr int NT = KEYS / 8;  // n-tiles of 8 keys
-      float s[NT][4];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll 4
-      for (int kk = 0; kk < QK_DIM / 16; ++kk) {
-        uint32_t a[4];
-        ldmatrix_x4(a, sQ + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + kk * 16 +
-                           8 * (lane >> 4));
-#pragma unroll
-        for (int jp = 0; jp < NT / 2; ++jp) {
-          uint32_t bb[4];
-          const int mi = lane >> 3;
-          ldmatrix_x4(bb, sK + (jp * 16 + (lane & 7) + 8 * (mi >> 1)) * LD + kk * 16 +
-                              8 * (mi & 1));
-          mma_bf16(s[2 * jp], a, bb[0], bb[1]);
-          mma_bf16(s[2 * jp + 1], a, bb[2], bb[3]);
-        }
-      }
-      // Scale into the log2 domain and mask: keys past the range, and tree keys the
-      // slot does not see (ancestors and itself only).
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + j * 8 + 2 * t + (e & 1);
-          const int slot = e < 2 ? slot0 : slot1;
-          bool ok = key < k_end;
-          if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
-          s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      }
-      float alpha[2], msafe[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float m_new = fmaxf(m_run[h], mx[h]);
-        msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
-        alpha[h] = exp2f(m_run[h] - msafe[h]);
-        m_run[h] = m_new;
-      }
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const float p0 = exp2f(s[j][0] - msafe[0]), p1 = exp2f(s[j][1] - msafe[0]);
-        const float p2 = exp2f(s[j][2] - msafe[1]), p3 = exp2f(s[j][3] - msafe[1]);
-        sum[0] += p0 + p1;
-        sum[1] += p2 + p3;
-        const int c = j * 8 + 2 * t;
-        *reinterpret_cast<uint32_t*>(sP + (qrow + g) * PLD + c) = pack_bf16(p0, p1);
-        *reinterpret_cast<uint32_t*>(sP + (qrow + g + 8) * PLD + c) = pack_bf16(p2, p3);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-        l_run[h] = l_run[h] * alpha[h] + sum[h];
-      }
-      if (t == 0) { sAlpha[qrow + g] = alpha[0]; sAlpha[qrow + g + 8] = alpha[1]; }
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` landed everywhere; every warp is done with tile it-1
+    {
+      const int nx = it + STAGES - 1;  // refill the slot tile it-1 used
+      if (nx < ntiles) load_kv_tile<T>(p, b, k_begin + nx * KEYS, k_end, sKV0 + (nx % STAGES) * KEYS * LD);
+      cp_async_commit();
     }
-    __syncthreads();
+    const int k0 = k_begin + it * KEYS;
+    const __nv_bfloat16* sK = sKV0 + (it % STAGES) * KEYS * LD;
 
-    // O = alpha * O + P V over this warp's 256 columns.
-    const float a0 = sAlpha[qrow + g], a1 = sAlpha[qrow + g + 8];
+    // S = Q K^T for 16 rows x this warp's 16 keys; 4 accumulator sets break the chain.
+    float acc[4][2][4];
 #pragma unroll
-    for (int j = 0; j < 32; ++j) { o[j][0] *= a0; o[j][1] *= a0; o[j][2] *= a1; o[j][3] *= a1; }
+    for (int u = 0; u < 4; ++u)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) acc[u][j][0] = acc[u][j][1] = acc[u][j][2] = acc[u][j][3] = 0.f;
+#pragma unroll 2
+    for (int kq = 0; kq < QK_DIM / 16; kq += 4) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int kk = kq + u;
+        uint32_t a[4], bb[4];
+        ldmatrix_x4(a, sQ + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + kk * 16 + 8 * (lane >> 4));
+        const int mi = lane >> 3;
+        ldmatrix_x4(bb, sK + (key0 + (lane & 7) + 8 * (mi >> 1)) * LD + kk * 16 + 8 * (mi & 1));
+        mma_bf16(acc[u][0], a, bb[0], bb[1]);
+        mma_bf16(acc[u][1], a, bb[2], bb[3]);
+      }
+    }
+    float s[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = (acc[0][j][e] + acc[1][j][e]) + (acc[2][j][e] + acc[3][j][e]);
+
+    // Scale into the log2 domain and mask: keys past the range, and tree keys the
+    // slot does not see (ancestors and itself only).
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + key0 + j * 8 + 2 * t + (e & 1);
+        const int slot = e < 2 ? slot0 : slot1;
+        bool ok = key < k_end;
+        if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
+        s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    }
+    if (t == 0) { sMax[half * ROWS + qrow + g] = mx[0]; sMax[half * ROWS + qrow + g + 8] = mx[1]; }
+    pair_barrier(pair);
+    float alpha[2], msafe[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = sMax[(half ^ 1) * ROWS + qrow + g + 8 * h];
+      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));  // the same in both warps
+      msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
+      alpha[h] = exp2f(m_run[h] - msafe[h]);
+      m_run[h] = m_new;
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float p0 = exp2f(s[j][0] - msafe[0]), p1 = exp2f(s[j][1] - msafe[0]);
+      const float p2 = exp2f(s[j][2] - msafe[1]), p3 = exp2f(s[j][3] - msafe[1]);
+      sum[0] += p0 + p1;
+      sum[1] += p2 + p3;
+      const int c = key0 + j * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(sP + (qrow + g) * PLD + c) = pack_bf16(p0, p1);
+      *reinterpret_cast<uint32_t*>(sP + (qrow + g + 8) * PLD + c) = pack_bf16(p2, p3);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+      l_run[h] = l_run[h] * alpha[h] + sum[h];
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+    }
+    pair_barrier(pair);  // both halves of P are in shared memory
+
+    // O += P V over this warp's 256 columns (all 32 keys of the tile).
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
       uint32_t a[4];
-      ldmatrix_x4(a, sP + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * PLD + kk * 16 +
-                         8 * (lane >> 4));
+      ldmatrix_x4(a, sP + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * PLD + kk * 16 + 8 * (lane >> 4));
 #pragma unroll
       for (int jp = 0; jp < 16; ++jp) {
         uint32_t bb[4];
@@ -222,15 +246,12 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
         mma_bf16(o[2 * jp + 1], a, bb[2], bb[3]);
       }
     }
-    __syncthreads();  // the tile buffer is overwritten by the next iteration's load
   }
   cp_async_wait<0>();
 
-  if (warp < SW && t == 0) {
-    sM[qrow + g] = m_run[0]; sM[qrow + g + 8] = m_run[1];
-    sL[qrow + g] = l_run[0]; sL[qrow + g + 8] = l_run[1];
-  }
-  __syncthreads();
+  // Row sums: this warp's keys plus the partner's.
+  if (t == 0) { sSum[half * ROWS + qrow + g] = l_run[0]; sSum[half * ROWS + qrow + g + 8] = l_run[1]; }
+  pair_barrier(pair);
 
   const bool direct = p.num_splits == 1;
 #pragma unroll
@@ -238,7 +259,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
     const int r = qrow + g + 8 * h;
     const int row = m0 + r;
     if (row >= p.R) continue;
-    const float l = sL[r], m = sM[r];
+    const float l = sSum[r] + sSum[ROWS + r], m = m_run[h];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const float lse = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     if (direct) {
@@ -246,14 +267,14 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-      if (warp < SW && t == 0) p.lse[(size_t)b * p.R + row] = lse;
+      if (half == 0 && t == 0) p.lse[(size_t)b * p.R + row] = lse;
     } else {
       const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
       float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
 #pragma unroll
       for (int j = 0; j < 32; ++j)
         *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-      if (warp < SW && t == 0) p.part_lse[prow] = lse;
+      if (half == 0 && t == 0) p.part_lse[prow] = lse;
     }
   }
 }
@@ -295,13 +316,25 @@ __global__ void verify_combine_kernel(const float* __restrict__ part_out,
 namespace kd {
 namespace {
 
-// The largest tile whose shared memory fits this device's per-block limit.
-bool use_large_tile(int* err) {
+// The tile for R query rows on this device: the fewest rows that cover R (no idle
+// warps on small trees), as far as the device's shared memory per block allows.
+enum class TileKind { T64, T32, T16, T16Lean };
+
+int pick_tile(int R, TileKind* kind) {
   int dev = 0, optin = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  *err = (int)e;
-  return (size_t)optin >= TileLarge::SMEM_BYTES;
+  if (e != cudaSuccess) return (int)e;
+  const size_t room = (size_t)optin;
+  if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
+  else if (R > 16 && room >= Tile32::SMEM_BYTES) *kind = TileKind::T32;
+  else if (room >= Tile16::SMEM_BYTES) *kind = TileKind::T16;
+  else *kind = TileKind::T16Lean;
+  return 0;
+}
+
+int tile_rows(TileKind k) {
+  return k == TileKind::T64 ? Tile64::ROWS : k == TileKind::T32 ? Tile32::ROWS : Tile16::ROWS;
 }
 
 template <class T>
@@ -319,12 +352,13 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 }  // namespace kd
 
-extern "C" int kd_verify_tile(int* rows_per_cta, int* keys_per_tile) {
-  int err = 0;
-  const bool large = kd::use_large_tile(&err);
-  *rows_per_cta = large ? kd::TileLarge::ROWS : kd::TileSmall::ROWS;
-  *keys_per_tile = large ? kd::TileLarge::KEYS : kd::TileSmall::KEYS;
-  return err;
+extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile) {
+  kd::TileKind kind;
+  const int err = kd::pick_tile(R, &kind);
+  if (err) return err;
+  *rows_per_cta = kd::tile_rows(kind);
+  *keys_per_tile = kd::KEYS;
+  return 0;
 }
 
 extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
@@ -351,10 +385,15 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.part_out = partial_out;
   p.part_lse = partial_lse;
   cudaStream_t st = (cudaStream_t)stream;
-  int err = 0;
-  const bool large = kd::use_large_tile(&err);
-  if (err) return err;
-  const int rc = large ? kd::launch<kd::TileLarge>(p, B, st) : kd::launch<kd::TileSmall>(p, B, st);
+  kd::TileKind kind;
+  int rc = kd::pick_tile(p.R, &kind);
+  if (rc) return rc;
+  switch (kind) {
+    case kd::TileKind::T64: rc = kd::launch<kd::Tile64>(p, B, st); break;
+    case kd::TileKind::T32: rc = kd::launch<kd::Tile32>(p, B, st); break;
+    case kd::TileKind::T16: rc = kd::launch<kd::Tile16>(p, B, st); break;
+    default: rc = kd::launch<kd::Tile16Lean>(p, B, st); break;
+  }
   if (rc) return rc;
   if (num_splits > 1) {
     kd::verify_combine_kernel<<<dim3(p.R, B), 128, 0, st>>>(partial_out, partial_lse, p.R,
