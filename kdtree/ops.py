@@ -43,7 +43,7 @@ def lib() -> ctypes.CDLL:
     so.kd_build_trees.argtypes = [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P]
     so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
-    so.kd_verify_tile.argtypes = [_I, ctypes.POINTER(_I), ctypes.POINTER(_I)]
+    so.kd_verify_tile.argtypes = [_I] + [ctypes.POINTER(_I)] * 3
     for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile):
         f.restype = _I
     return so
@@ -200,21 +200,22 @@ MAX_SPLITS = 128
 
 @functools.lru_cache(maxsize=64)
 def _device_facts(index: int, R: int):
-    """(query rows per CTA for R rows, keys per tile, SM count) of device `index`."""
-    rows, keys = _I(), _I()
+    """(query rows per CTA for R rows, keys per tile, CTAs one wave holds) on device `index`."""
+    rows, keys, per_sm = _I(), _I(), _I()
     with torch.cuda.device(index):
-        _check(lib().kd_verify_tile(R, ctypes.byref(rows), ctypes.byref(keys)), "kd_verify_tile")
+        _check(lib().kd_verify_tile(R, ctypes.byref(rows), ctypes.byref(keys), ctypes.byref(per_sm)),
+               "kd_verify_tile")
     sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return rows.value, keys.value, sms
+    return rows.value, keys.value, sms * max(1, per_sm.value)
 
 
 def choose_splits(B: int, R: int, max_seq: int, device) -> int:
-    """Splits over the keys so that the grid fills the GPU once (read off the device, no
-    sync); each split keeps at least two key tiles."""
-    rows, keys, sms = _device_facts(torch.device(device).index or 0, R)
+    """Splits over the keys so that the grid fills one wave of the GPU without spilling into
+    a second (read off the device, no sync); each split keeps at least two key tiles."""
+    rows, keys, wave = _device_facts(torch.device(device).index or 0, R)
     ctas = B * -(-R // rows)
     tiles = -(-max_seq // keys)
-    want = -(-sms // max(ctas, 1))
+    want = wave // max(ctas, 1)
     return max(1, min(want, max(1, tiles // 2), MAX_SPLITS))
 
 

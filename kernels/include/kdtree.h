@@ -55,9 +55,9 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
                         float* partial_lse, void* stream);
 
 // The tile the current device gets for R = D*H query rows (chosen by R and the device's
-// shared memory per block): query rows per CTA and keys per shared-memory tile, for
-// sizing splits on the host.
-int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile);
+// shared memory per block): query rows per CTA, keys per shared-memory tile and CTAs
+// that fit one SM, for sizing splits on the host.
+int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm);
 
 #ifdef __cplusplus
 }

@@ -38,12 +38,12 @@ struct Tile {
   static constexpr size_t SMEM_P = (size_t)ROWS * PLD * 2;
   static constexpr size_t SMEM_BYTES = SMEM_Q + STAGES * SMEM_KV + SMEM_P + 4 * ROWS * sizeof(float);
 };
-// Hopper (227 KB per block): 64, 32 or 16 rows with a 3-deep ring (193 / 153 / 132 KB).
-// sm_120 (99 KB per block): 16 rows, double buffered (95 KB).
+// Hopper (227 KB per block): 64 or 32 rows with a 3-deep ring (193 / 153 KB).
+// 16 rows (small trees; all of sm_120, 99 KB per block): double buffered, 95 KB, so
+// two CTAs share a Hopper SM.
 using Tile64 = Tile<4, 3>;
 using Tile32 = Tile<2, 3>;
-using Tile16 = Tile<1, 3>;
-using Tile16Lean = Tile<1, 2>;
+using Tile16 = Tile<1, 2>;
 
 struct Params {
   const __nv_bfloat16* q;
@@ -52,7 +52,7 @@ struct Params {
   const int32_t* seq_lens;
   const void* vis;
   int vis_bits;
-  int D, H, R, page_size, max_pages, num_splits;
+  int D, H, R, page_size, page_shift, max_pages, num_splits;  // page_shift: log2 or -1
   float scale_log2;  // softmax scale * log2(e)
   __nv_bfloat16* out;
   float* lse;
@@ -75,26 +75,32 @@ __device__ __forceinline__ void pair_barrier(int pair) {
 }
 
 // Async load of key rows [k0, k0 + KEYS) of request b into a tile; rows at or past
-// `end` are zero-filled so no NaN from unused pages can reach P*V.
+// `end` are zero-filled so no NaN from unused pages can reach P*V. A warp takes whole
+// rows (one page lookup, 32 lanes over 72 contiguous 16-byte chunks): coalesced, and no
+// per-chunk index arithmetic (ncu: v1 spent most instructions on per-chunk divisions).
 template <class T>
-__device__ __forceinline__ void load_kv_tile(const Params& p, int b, int k0, int end,
+__device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* table, int k0, int end,
                                              __nv_bfloat16* tile) {
-  for (int c = threadIdx.x; c < KEYS * CHUNKS; c += T::THREADS) {
-    const int r = c / CHUNKS, col = (c % CHUNKS) * 8;
+  constexpr int WARPS = T::THREADS / 32;
+  const int lane = threadIdx.x & 31;
+  for (int r = threadIdx.x >> 5; r < KEYS; r += WARPS) {
     const int pos = k0 + r;
     const __nv_bfloat16* src = p.kv;
     int bytes = 0;
     if (pos < end) {
-      const int page = p.block_table[(size_t)b * p.max_pages + pos / p.page_size];
-      src = p.kv + ((size_t)page * p.page_size + pos % p.page_size) * QK_DIM + col;
+      const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
+      const int off = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
+      src = p.kv + ((size_t)page * p.page_size + off) * QK_DIM;
       bytes = 16;
     }
-    cp_async16(tile + r * LD + col, src, bytes);
+#pragma unroll
+    for (int c = lane; c < CHUNKS; c += 32)
+      cp_async16(tile + r * LD + c * 8, bytes ? src + c * 8 : src, bytes);
   }
 }
 
 template <class T>
-__global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params p) {
+__global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attention_kernel(Params p) {
   constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
@@ -114,6 +120,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
   // device-side lengths without a sync; the Python reference rejects them).
   const int seq = min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
   const int P = seq - p.D;  // prefix length; tree slots sit at positions P .. seq-1
+  const int32_t* table = p.block_table + (size_t)b * p.max_pages;
 
   // This split's key range, in whole tiles.
   const int tiles_total = ceil_div(seq, KEYS);
@@ -131,7 +138,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
   }
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
-    if (st < ntiles) load_kv_tile<T>(p, b, k_begin + st * KEYS, k_end, sKV0 + st * KEYS * LD);
+    if (st < ntiles) load_kv_tile<T>(p, table, k_begin + st * KEYS, k_end, sKV0 + st * KEYS * LD);
     cp_async_commit();
   }
 
@@ -147,7 +154,7 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
     __syncthreads();  // tile `it` landed everywhere; every warp is done with tile it-1
     {
       const int nx = it + STAGES - 1;  // refill the slot tile it-1 used
-      if (nx < ntiles) load_kv_tile<T>(p, b, k_begin + nx * KEYS, k_end, sKV0 + (nx % STAGES) * KEYS * LD);
+      if (nx < ntiles) load_kv_tile<T>(p, table, k_begin + nx * KEYS, k_end, sKV0 + (nx % STAGES) * KEYS * LD);
       cp_async_commit();
     }
     const int k0 = k_begin + it * KEYS;
@@ -159,8 +166,8 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
     for (int u = 0; u < 4; ++u)
 #pragma unroll
       for (int j = 0; j < 2; ++j) acc[u][j][0] = acc[u][j][1] = acc[u][j][2] = acc[u][j][3] = 0.f;
-#pragma unroll 2
-    for (int kq = 0; kq < QK_DIM / 16; kq += 4) {
+#pragma unroll
+    for (int kq = 0; kq < QK_DIM / 16; kq += 4) {  // fully unrolled: immediate smem offsets
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int kk = kq + u;
@@ -225,9 +232,13 @@ __global__ void __launch_bounds__(T::THREADS, 1) verify_attention_kernel(Params 
       sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
       l_run[h] = l_run[h] * alpha[h] + sum[h];
     }
+    // Rescale O only when a row maximum moved somewhere in the warp (x1.0 is exact, so
+    // skipping it changes nothing); once the maxima settle this saves 128 FMULs a tile.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+      for (int j = 0; j < 32; ++j) {
+        o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+      }
     }
     pair_barrier(pair);  // both halves of P are in shared memory
 
@@ -318,7 +329,7 @@ namespace {
 
 // The tile for R query rows on this device: the fewest rows that cover R (no idle
 // warps on small trees), as far as the device's shared memory per block allows.
-enum class TileKind { T64, T32, T16, T16Lean };
+enum class TileKind { T64, T32, T16 };
 
 int pick_tile(int R, TileKind* kind) {
   int dev = 0, optin = 0;
@@ -328,13 +339,23 @@ int pick_tile(int R, TileKind* kind) {
   const size_t room = (size_t)optin;
   if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
   else if (R > 16 && room >= Tile32::SMEM_BYTES) *kind = TileKind::T32;
-  else if (room >= Tile16::SMEM_BYTES) *kind = TileKind::T16;
-  else *kind = TileKind::T16Lean;
+  else *kind = TileKind::T16;
   return 0;
 }
 
 int tile_rows(TileKind k) {
   return k == TileKind::T64 ? Tile64::ROWS : k == TileKind::T32 ? Tile32::ROWS : Tile16::ROWS;
+}
+
+template <class T>
+int ctas_per_sm(int* n) {
+  cudaError_t e = cudaFuncSetAttribute(verify_attention_kernel<T>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)T::SMEM_BYTES);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, verify_attention_kernel<T>, T::THREADS,
+                                                      T::SMEM_BYTES);
+  return (int)e;
 }
 
 template <class T>
@@ -352,13 +373,18 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 }  // namespace kd
 
-extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile) {
+extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm) {
   kd::TileKind kind;
-  const int err = kd::pick_tile(R, &kind);
+  int err = kd::pick_tile(R, &kind);
   if (err) return err;
   *rows_per_cta = kd::tile_rows(kind);
   *keys_per_tile = kd::KEYS;
-  return 0;
+  switch (kind) {
+    case kd::TileKind::T64: err = kd::ctas_per_sm<kd::Tile64>(ctas_per_sm); break;
+    case kd::TileKind::T32: err = kd::ctas_per_sm<kd::Tile32>(ctas_per_sm); break;
+    default: err = kd::ctas_per_sm<kd::Tile16>(ctas_per_sm); break;
+  }
+  return err;
 }
 
 extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
@@ -379,6 +405,7 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.vis_bits = vis_bits;
   p.D = D; p.H = H; p.R = D * H;
   p.page_size = page_size; p.max_pages = max_pages; p.num_splits = num_splits;
+  p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz((unsigned)page_size) : -1;
   p.scale_log2 = scale * kd::LOG2E;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.lse = lse;
@@ -391,8 +418,7 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   switch (kind) {
     case kd::TileKind::T64: rc = kd::launch<kd::Tile64>(p, B, st); break;
     case kd::TileKind::T32: rc = kd::launch<kd::Tile32>(p, B, st); break;
-    case kd::TileKind::T16: rc = kd::launch<kd::Tile16>(p, B, st); break;
-    default: rc = kd::launch<kd::Tile16Lean>(p, B, st); break;
+    default: rc = kd::launch<kd::Tile16>(p, B, st); break;
   }
   if (rc) return rc;
   if (num_splits > 1) {
