@@ -246,8 +246,8 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
     R = D * H
     if num_splits is None:
         num_splits = choose_splits(B, R, bt.shape[1] * page_size, dev)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise InputError(f"num_splits: expected an integer >= 1, got {num_splits!r}")
+    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
+        raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
     if out is None:
         out = torch.empty(B, D, H, LATENT_DIM, dtype=torch.bfloat16, device=dev)
     _tensor("out", out, torch.bfloat16, (B, D, H, LATENT_DIM), dev)

@@ -247,7 +247,7 @@ def test_verify_attention_matches_reference(ops, prefixes, D, H, page):
     check_attention(ops, case)
 
 
-@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 128])
 @pytest.mark.parametrize("bits", [False, True])
 def test_verify_attention_splits_and_bitmask(ops, num_splits, bits):
     case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
@@ -269,6 +269,9 @@ def test_verify_attention_argument_errors(ops):
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility[:, :2], SCALE)
     with pytest.raises(InputError, match="scale: expected a positive float"):
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, 0)
+    with pytest.raises(InputError, match=r"num_splits: expected an integer in \[1, 128\]"):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
+                             SCALE, num_splits=129)
 
 
 # ---------------------------------------------------------------- one round in one graph

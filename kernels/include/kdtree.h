@@ -45,7 +45,7 @@ int kd_tree_accept(const int64_t* candidates, const int64_t* next_token,
 // q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
 // [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
 // or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
-// lse f32 [B, D, H] (natural log). num_splits > 1 splits each request's keys; then
+// lse f32 [B, D, H] (natural log). num_splits (1..128) > 1 splits each request's keys; then
 // partial_out f32 [B, num_splits, D*H, 512] and partial_lse f32 [B, num_splits, D*H] are
 // the caller's workspace (kd_verify_workspace_bytes says how much).
 int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
