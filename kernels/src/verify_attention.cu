@@ -75,27 +75,35 @@ __device__ __forceinline__ void pair_barrier(int pair) {
 }
 
 // Async load of key rows [k0, k0 + KEYS) of request b into a tile; rows at or past
-// `end` are zero-filled so no NaN from unused pages can reach P*V. A warp takes whole
-// rows (one page lookup, 32 lanes over 72 contiguous 16-byte chunks): coalesced, and no
-// per-chunk index arithmetic (ncu: v1 spent most instructions on per-chunk divisions).
+// `end` are zero-filled so no NaN from unused pages can reach P*V. Warp w takes rows
+// [w*RW, w*RW + RW): its first RW lanes look their row's page up at once (one round
+// trip, not one per row), then the warp walks the RW*72 16-byte chunks in whole
+// 32-lane steps (no divergence; ncu showed v1/v2's per-chunk and per-row lookups and
+// their branches as the memory-bound kernel's top stalls).
 template <class T>
 __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* table, int k0, int end,
                                              __nv_bfloat16* tile) {
   constexpr int WARPS = T::THREADS / 32;
-  const int lane = threadIdx.x & 31;
-  for (int r = threadIdx.x >> 5; r < KEYS; r += WARPS) {
-    const int pos = k0 + r;
-    const __nv_bfloat16* src = p.kv;
-    int bytes = 0;
+  constexpr int RW = KEYS / WARPS;  // rows per warp: 16, 8 or 4
+  static_assert(RW * CHUNKS % 32 == 0, "whole 32-lane steps");
+  const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * RW;
+  size_t row_off = 0;  // element offset of this lane's row in the cache
+  int row_ok = 0;
+  if (lane < RW) {
+    const int pos = k0 + r0 + lane;
     if (pos < end) {
       const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
       const int off = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
-      src = p.kv + ((size_t)page * p.page_size + off) * QK_DIM;
-      bytes = 16;
+      row_off = ((size_t)page * p.page_size + off) * QK_DIM;
+      row_ok = 1;
     }
+  }
 #pragma unroll
-    for (int c = lane; c < CHUNKS; c += 32)
-      cp_async16(tile + r * LD + c * 8, bytes ? src + c * 8 : src, bytes);
+  for (int q = lane; q < RW * CHUNKS; q += 32) {
+    const int r = q / CHUNKS, c = q - r * CHUNKS;
+    const size_t off = __shfl_sync(0xffffffffu, row_off, r);
+    const int ok = __shfl_sync(0xffffffffu, row_ok, r);
+    cp_async16(tile + (r0 + r) * LD + c * 8, ok ? p.kv + off + c * 8 : p.kv, ok ? 16 : 0);
   }
 }
 
