@@ -7,6 +7,7 @@ import pandas as pd
 
 from .breakdown import breakdown_table
 from .results import read_ok_rows
+from .targets import check_targets
 
 
 def _md(df: pd.DataFrame, floatfmt=".3g") -> str:
@@ -27,6 +28,8 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         parts += [f"Measured {r.utc_time} on `{r.host}` ({r.gpu_name or 'no GPU'}, driver {r.driver or '-'}, "
                   f"CPU {r.cpu_model}), commit `{r.git_commit[:10]}`{' (dirty)' if r.git_dirty else ''}, "
                   f"torch {r.torch_version}.", ""]
+    if any((rd / f"{n}.parquet").exists() for n in ("tree_build", "verify_attn", "tree_accept", "round")):
+        parts += ["## Kernel targets (issue 7), from this run's rows", "", _md(check_targets(rd)), ""]
     d = read_ok_rows(rd / "tree_build.parquet")
     if d is not None:
         piv = d.pivot_table(index=["batch", "budget"], columns=["impl", "metric"], values="median_us")

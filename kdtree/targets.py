@@ -1,0 +1,118 @@
+"""The kernel performance targets (issue 7), checked against a run's own Parquet rows.
+
+Every verdict comes from measured rows of the same run (floors and copy bandwidth are
+measured in that run too). A target whose points the run did not measure says so; it is
+never reported as met.
+"""
+from __future__ import annotations
+
+import pathlib
+
+import pandas as pd
+
+from .results import read_ok_rows
+
+MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
+
+
+def _row(target: str, scope: str, goal: str, measured: str, ok: bool | None) -> dict:
+    status = NOT_MEASURED if ok is None else (MET if ok else NOT_MET)
+    return dict(target=target, scope=scope, goal=goal, measured=measured, status=status)
+
+
+def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
+    names = [("verify, compute-bound", "H*D >= 128, P >= 4k, B >= 16", "median >= 75% of roofline, none < 60%"),
+             ("verify, memory-bound", "H*D < 64, B >= 16", ">= 85% of the run's copy bandwidth"),
+             ("verify, batch 1", "B = 1", "time <= 2 x floor + 5 us"),
+             ("verify vs SDPA with tree mask", "B >= 16", ">= 10x faster")]
+    if v is None:
+        return [_row(*n, "-", None) for n in names]
+    k = v[v.impl == "kdtree_kernel"]
+    hd = k.heads * k.D
+    out = []
+    c = k[(hd >= 128) & (k.prefix >= 4096) & (k.batch >= 16)]
+    if c.empty:
+        out.append(_row(*names[0], "-", None))
+    else:
+        med, lo = c.roofline_fraction.median(), c.roofline_fraction.min()
+        out.append(_row(*names[0], f"median {med:.0%}, min {lo:.0%} ({len(c)} points)",
+                        med >= 0.75 and lo >= 0.60))
+    m = k[(hd < 64) & (k.batch >= 16)]
+    if m.empty:
+        out.append(_row(*names[1], "-", None))
+    else:
+        lo, med = m.copy_fraction.min(), m.copy_fraction.median()
+        out.append(_row(*names[1], f"min {lo:.0%}, median {med:.0%} ({len(m)} points)", lo >= 0.85))
+    b1 = k[k.batch == 1]
+    if b1.empty:
+        out.append(_row(*names[2], "-", None))
+    else:
+        ratio = b1.median_us / (2 * b1.floor_us + 5)
+        met = int((ratio <= 1).sum())
+        out.append(_row(*names[2], f"{met}/{len(b1)} points within; worst {ratio.max():.1f}x the bound",
+                        bool((ratio <= 1).all())))
+    s = v[v.impl == "torch_sdpa_tree_mask"]
+    key = ["heads", "D", "prefix", "batch", "page_size"]
+    j = k[k.batch >= 16].merge(s[s.batch >= 16], on=key, suffixes=("", "_sdpa"))
+    if j.empty:
+        out.append(_row(*names[3], "-", None))
+    else:
+        sp = j.median_us_sdpa / j.median_us
+        out.append(_row(*names[3], f"min {sp.min():.1f}x, median {sp.median():.1f}x ({len(j)} points)",
+                        bool((sp >= 10).all())))
+    return out
+
+
+def _build_targets(t: pd.DataFrame | None) -> list[dict]:
+    names = [("tree build, device time", "B <= 64, budget <= 256", "<= 10 us per batch"),
+             ("tree build, device time", "B = 64, budget 1024", "<= 40 us per batch"),
+             ("tree build, caller latency", "all points", "<= 2 x an empty op's launch + sync")]
+    if t is None:
+        return [_row(*n, "-", None) for n in names]
+    dev = t[(t.impl == "gpu_kernel") & (t.metric == "device_time")]
+    out = []
+    a = dev[(dev.batch <= 64) & (dev.budget <= 256)]
+    out.append(_row(*names[0], f"max {a.median_us.max():.1f} us ({len(a)} points)", bool((a.median_us <= 10).all()))
+               if not a.empty else _row(*names[0], "-", None))
+    b = dev[(dev.batch == 64) & (dev.budget == 1024)]
+    out.append(_row(*names[1], f"{b.median_us.max():.1f} us", bool((b.median_us <= 40).all()))
+               if not b.empty else _row(*names[1], "-", None))
+    lat = t[(t.impl == "gpu_kernel") & (t.metric == "caller_latency")]
+    empty = t[(t.impl == "torch_tiny_op") & (t.metric == "caller_latency")]
+    j = lat.merge(empty, on=["batch", "budget"], suffixes=("", "_empty"))
+    if j.empty:
+        out.append(_row(*names[2], "-", None))
+    else:
+        r = j.median_us / j.median_us_empty
+        out.append(_row(*names[2], f"worst {r.max():.1f}x, best {r.min():.1f}x ({len(j)} points)",
+                        bool((r <= 2).all())))
+    return out
+
+
+def _accept_targets(a: pd.DataFrame | None) -> list[dict]:
+    name = ("tree accept, device time", "B <= 256, D <= 257", "<= 3 us per batch")
+    if a is None:
+        return [_row(*name, "-", None)]
+    g = a[(a.impl == "gpu_kernel") & (a.batch <= 256) & (a.D <= 257)]
+    if g.empty:
+        return [_row(*name, "-", None)]
+    ok = int((g.median_us <= 3).sum())
+    return [_row(*name, f"{ok}/{len(g)} points within; max {g.median_us.max():.1f} us",
+                 bool((g.median_us <= 3).all()))]
+
+
+def _round_targets(r: pd.DataFrame | None) -> list[dict]:
+    name = ("one round in one CUDA graph", "build -> verify -> accept", "captured, replay time reported")
+    g = None if r is None else r[r.impl == "round_graph"]
+    if g is None or g.empty:
+        return [_row(*name, "-", None)]
+    return [_row(*name, f"{len(g)} points, {g.median_us.min():.0f}-{g.median_us.max():.0f} us", True)]
+
+
+def check_targets(results_dir) -> pd.DataFrame:
+    rd = pathlib.Path(results_dir)
+    rows = (_verify_targets(read_ok_rows(rd / "verify_attn.parquet"))
+            + _build_targets(read_ok_rows(rd / "tree_build.parquet"))
+            + _accept_targets(read_ok_rows(rd / "tree_accept.parquet"))
+            + _round_targets(read_ok_rows(rd / "round.parquet")))
+    return pd.DataFrame(rows)

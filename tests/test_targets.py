@@ -1,0 +1,62 @@
+"""Issue-7 target verdicts from synthetic rows: met, not met, and not measured."""
+import pandas as pd
+
+from kdtree.targets import MET, NOT_MEASURED, NOT_MET, check_targets
+
+
+def _verify_rows(fraction, copy_fraction, b1_time, sdpa_time):
+    rows = []
+    for heads, D, batch in ((8, 16, 16), (8, 1, 16), (8, 1, 1)):
+        base = dict(heads=heads, D=D, prefix=8192, batch=batch, page_size=64, floor_us=10.0, status="ok")
+        t = b1_time if batch == 1 else 100.0
+        rows.append(dict(base, impl="kdtree_kernel", median_us=t, roofline_fraction=fraction,
+                         copy_fraction=copy_fraction))
+        rows.append(dict(base, impl="torch_sdpa_tree_mask", median_us=sdpa_time,
+                         roofline_fraction=0.01, copy_fraction=float("nan")))
+    return pd.DataFrame(rows)
+
+
+def _status(df, target):
+    return df.set_index("target").loc[target, "status"]
+
+
+def test_targets_met_and_not_met(tmp_path):
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.mkdir(), bad.mkdir()
+    _verify_rows(0.8, 0.9, 20.0, 2000.0).to_parquet(good / "verify_attn.parquet")
+    _verify_rows(0.5, 0.5, 40.0, 500.0).to_parquet(bad / "verify_attn.parquet")
+    g, b = check_targets(good), check_targets(bad)
+    for t in ("verify, compute-bound", "verify, memory-bound", "verify, batch 1",
+              "verify vs SDPA with tree mask"):
+        assert _status(g, t) == MET, t
+        assert _status(b, t) == NOT_MET, t
+    # nothing else was measured: reported as such, never as met
+    assert (g[g.target.str.startswith("tree")].status == NOT_MEASURED).all()
+    assert _status(g, "one round in one CUDA graph") == NOT_MEASURED
+
+
+def test_failed_rows_do_not_count(tmp_path):
+    d = _verify_rows(0.8, 0.9, 20.0, 2000.0)
+    d["status"] = "failed"
+    d.to_parquet(tmp_path / "verify_attn.parquet")
+    assert (check_targets(tmp_path).status == NOT_MEASURED).all()
+
+
+def test_tree_and_accept_targets(tmp_path):
+    tb = pd.DataFrame([
+        dict(batch=64, budget=256, impl="gpu_kernel", metric="device_time", median_us=9.0, status="ok"),
+        dict(batch=64, budget=1024, impl="gpu_kernel", metric="device_time", median_us=50.0, status="ok"),
+        dict(batch=64, budget=256, impl="gpu_kernel", metric="caller_latency", median_us=30.0, status="ok"),
+        dict(batch=64, budget=256, impl="torch_tiny_op", metric="caller_latency", median_us=16.0, status="ok"),
+    ])
+    tb.to_parquet(tmp_path / "tree_build.parquet")
+    pd.DataFrame([dict(batch=256, D=257, impl="gpu_kernel", median_us=2.5, status="ok")]).to_parquet(
+        tmp_path / "tree_accept.parquet")
+    pd.DataFrame([dict(batch=1, budget=64, heads=8, prefix=8192, impl="round_graph", median_us=100.0,
+                       status="ok")]).to_parquet(tmp_path / "round.parquet")
+    t = check_targets(tmp_path)
+    rows = t[t.target == "tree build, device time"].status.tolist()
+    assert rows == [MET, NOT_MET]
+    assert _status(t, "tree build, caller latency") == MET
+    assert _status(t, "tree accept, device time") == MET
+    assert _status(t, "one round in one CUDA graph") == MET
