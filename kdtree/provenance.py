@@ -25,13 +25,17 @@ def _git(*args: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def _static() -> dict:
-    # A copy of the tree without .git (a lent GPU machine, a container) is told its commit.
+    # A copy of the tree whose .git is missing or stale (a lent GPU machine, a container)
+    # is told its commit: KDTREE_GIT_COMMIT, when set, wins over what git says there, and
+    # then KDTREE_GIT_DIRTY ("1") is the only dirty flag.
     # (`git rev-parse HEAD` prints "HEAD" itself where the copy has no commits: accept hex only.)
-    head = _git("rev-parse", "HEAD")
-    commit = head if len(head) == 40 and all(c in "0123456789abcdef" for c in head) else \
-        os.environ.get("KDTREE_GIT_COMMIT", "unknown")
-    dirty = bool(_git("status", "--porcelain", "--untracked-files=no")) or \
-        os.environ.get("KDTREE_GIT_DIRTY", "") == "1"
+    told = os.environ.get("KDTREE_GIT_COMMIT", "")
+    if told:
+        commit, dirty = told, os.environ.get("KDTREE_GIT_DIRTY", "") == "1"
+    else:
+        head = _git("rev-parse", "HEAD")
+        commit = head if len(head) == 40 and all(c in "0123456789abcdef" for c in head) else "unknown"
+        dirty = bool(_git("status", "--porcelain", "--untracked-files=no"))
     cpu = platform.processor() or ""
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():

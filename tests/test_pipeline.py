@@ -203,3 +203,17 @@ def test_unreachable_probe_still_gives_the_declared_figure(tmp_path):
     skipped = render_all(tmp_path)
     assert (tmp_path / "figures" / "step_breakdown.png").exists()
     assert any("measured no verify step" in s for s in skipped)
+
+
+def test_provenance_commit_told_by_the_environment(monkeypatch):
+    """A lent copy with a stale .git records the commit it is told, not git's HEAD."""
+    from kdtree import provenance
+    monkeypatch.setenv("KDTREE_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    monkeypatch.setenv("KDTREE_GIT_DIRTY", "0")
+    provenance._static.cache_clear()
+    try:
+        info = provenance._static()
+        assert info["git_commit"] == "0123456789abcdef0123456789abcdef01234567"
+        assert info["git_dirty"] is False
+    finally:
+        provenance._static.cache_clear()
