@@ -150,7 +150,13 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   int lp_ld = K < D - 1 ? K : D - 1;
   size_t lp_bytes = (size_t)L * lp_ld * sizeof(float);
   const size_t smem_keys = use_keys ? key_bytes : 0;
-  if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > room) { lp_ld = 0; lp_bytes = 0; }
+  // Staging buys a faster pop but costs residency: with more requests than SMs, keep
+  // CTAs small so that every request of the batch runs at once (B 256 x budget 1024 ran
+  // two waves and took twice v1's time with the log-probs staged).
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return (int)e;
+  if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > room || B > sms) { lp_ld = 0; lp_bytes = 0; }
   const size_t smem = smem_keys + lp_bytes;
   if (smem > 0) {
     e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
