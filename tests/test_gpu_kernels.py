@@ -75,6 +75,15 @@ def test_tree_build_matches_cpu(ops, seed):
     gpu_vs_cpu(ops, lp, ids, budgets, seq, roots)
 
 
+def test_tree_build_batch_wider_than_the_gpu(ops):
+    """More requests than SMs: the log-probs stay in global memory (small, resident CTAs)."""
+    rng = np.random.default_rng(77)
+    B = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 3
+    budgets = rng.choice(BUDGET_CHOICES, size=B)
+    lp, ids = stage_a_inputs(B, 15, 4000, int(budgets.max()), seed=77, coarse_fraction=1.0)
+    gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 4000, size=B))
+
+
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
                                         (4, 3, 1024), (15, 16, 15),
                                         (40, 600, 1024)])   # log-probs too big to stage: global reads
