@@ -3,10 +3,11 @@
 // One CTA per request. Warp 0 runs the selection (tree_select.cuh: the frontier's best
 // 32 entries sorted across the lanes, the rest in shared memory), so the pop order is the
 // reference's by construction: score (float64, __dsub_rn/__dadd_rn, no FMA contraction)
-// first, then the lexicographically smaller rank path, compared through the parent
-// pointers of popped nodes. The request's log-probs are staged in shared memory first
-// (the pops read them on their critical path). The outputs (links, positions,
-// ancestor-closure masks) are then written by the whole CTA in parallel.
+// first, then the lexicographically smaller rank path (a 256-bit key per popped node when
+// L <= 16, else a walk up the parent pointers). While the batch fits one CTA per SM, the
+// request's log-probs are staged in shared memory first (the pops read them on their
+// critical path). The outputs (links, positions, ancestor-closure masks) are then written
+// by the whole CTA in parallel.
 #include <vector>
 
 #include "tree_select.cuh"
