@@ -19,6 +19,7 @@ with the heap (always exact).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +36,15 @@ class ThresholdSelection:
     candidates: int       # |S(tau)| that was sorted
 
 
+class _Node(NamedTuple):
+    score: float
+    path: tuple      # ranks from the root: the tie order
+    parent: int      # id of the parent node in the enumeration, -1 for the root
+    depth: int
+    rank: int
+    exact: bool      # parent score + lp was exact in float64
+
+
 def _exact_sum(a: float, b: float) -> bool:
     """True where a + b is exact in float64 (TwoSum error term is zero)."""
     s = a + b
@@ -43,9 +53,8 @@ def _exact_sum(a: float, b: float) -> bool:
 
 
 def _enumerate(lp: np.ndarray, tau: float, cap: int):
-    """Nodes with score >= tau as (score, path, parent id, depth, rank, exact), parents first;
-    None as soon as there are more than `cap`."""
-    nodes: list[tuple] = []
+    """Nodes with score >= tau, parents first; None as soon as there are more than `cap`."""
+    nodes: list[_Node] = []
     level = [(-1, 0.0, ())]  # (node id, score, path) of the previous level; the root first
     for d in range(lp.shape[0]):
         row = lp[d]
@@ -53,7 +62,7 @@ def _enumerate(lp: np.ndarray, tau: float, cap: int):
         for pid, s, path in level:
             sc = s + row                              # fl(s + lp[r]), non-increasing in r
             for r in range(int(np.count_nonzero(sc >= tau))):
-                nodes.append((float(sc[r]), path + (r,), pid, d + 1, r, _exact_sum(s, float(row[r]))))
+                nodes.append(_Node(float(sc[r]), path + (r,), pid, d + 1, r, _exact_sum(s, float(row[r]))))
                 nxt.append((len(nodes) - 1, float(sc[r]), path + (r,)))
                 if len(nodes) > cap:
                     return None
@@ -102,14 +111,13 @@ def select_by_threshold(top_logprobs, budget: int, cap_factor: int = 2) -> Thres
         if nxt in (lo, hi):
             return None                        # ties defeat the bracket: the heap decides
         tau = nxt
-    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], nodes[i][1]))[:budget]
-    if not all(nodes[i][5] for i in order):
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i].score, nodes[i].path))[:budget]
+    if not all(nodes[i].exact for i in order):
         return None
-    pop = {i: k + 1 for k, i in enumerate(order)}
-    parents = np.array([-1] + [pop.get(nodes[i][2], 0) for i in order], dtype=np.int32)
-    if any(nodes[i][2] >= 0 and nodes[i][2] not in pop for i in order):
+    pop = {-1: 0} | {i: k + 1 for k, i in enumerate(order)}   # enumeration id -> pop index
+    if any(nodes[i].parent not in pop for i in order):
         return None                            # not a downset: cannot happen when certified
-    return ThresholdSelection(parents,
-                              np.array([nodes[i][3] for i in order], dtype=np.int64),
-                              np.array([nodes[i][4] for i in order], dtype=np.int64),
+    return ThresholdSelection(np.array([-1] + [pop[nodes[i].parent] for i in order], dtype=np.int32),
+                              np.array([nodes[i].depth for i in order], dtype=np.int64),
+                              np.array([nodes[i].rank for i in order], dtype=np.int64),
                               probes, len(nodes))
