@@ -25,6 +25,7 @@ from .tree import MAX_BUDGET
 
 STATUS_BUDGET_CLAMPED = 1
 STATUS_NAN_INPUT = 2
+STATUS_WARP_LOOP = 4   # information: the request's rows were not certified for threshold selection
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 

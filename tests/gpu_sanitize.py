@@ -13,6 +13,12 @@ def main():
     lp, ids = stage_a_inputs(3, 15, 200, 40, seed=1)
     budgets = torch.tensor([40, 7, 0], dtype=torch.int32, device="cuda")
     trees = ops.build_trees_gpu(lp.cuda(), ids.cuda(), budgets, d_max=41)
+    # Threshold selection with tau raises (coarse rows, budget 256), and one request whose
+    # unsorted row sends it to the warp loop.
+    lp2, ids2 = stage_a_inputs(4, 15, 8192, 256, seed=3, coarse_fraction=1.0)
+    lp2[3, 1] = lp2[3, 1].flip(0)
+    ops.build_trees_gpu(lp2.cuda(), ids2.cuda(), torch.full((4,), 256, dtype=torch.int32, device="cuda"),
+                        d_max=257)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")

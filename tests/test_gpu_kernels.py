@@ -53,8 +53,9 @@ def gpu_vs_cpu(ops, lp, ids, budgets, seq, roots, d_max=None):
         if not np.array_equal(g, w):
             bad = np.argwhere((g != w).reshape(B, -1).any(1)).ravel()
             raise AssertionError(f"{f} differs in requests {bad[:10]} (budgets {np.asarray(budgets)[bad[:10]]})")
-    assert (got.status.cpu() == 0).all()
-    return want
+    st = got.status.cpu()
+    assert ((st & ~ops.STATUS_WARP_LOOP) == 0).all()
+    return want, st
 
 
 BUDGET_CHOICES = [1, 2, 14, 15, 16, 17, 31, 64, 100, 128, 256, 512, 1024]
@@ -90,6 +91,31 @@ def test_tree_build_batch_wider_than_the_gpu(ops):
 def test_tree_build_tiny_vocab_and_short_blocks(ops, L, V, budget):
     lp, ids = stage_a_inputs(8, L, V, budget, seed=L * 100 + V, coarse_fraction=1.0)
     gpu_vs_cpu(ops, lp, ids, np.full(8, budget), np.arange(8), np.arange(8))
+
+
+@pytest.mark.parametrize("budget", [64, 256, 1024])
+def test_tree_build_threshold_path_on_sweep_inputs(ops, budget):
+    """The sweep's inputs are certified: every request takes the threshold selection."""
+    B = 64
+    for cf in (0.3, 1.0):
+        lp, ids = stage_a_inputs(B, 15, 8192, budget, seed=budget + int(cf * 10), coarse_fraction=cf)
+        _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))
+        assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, cf
+
+
+def test_tree_build_uncertified_rows_take_the_warp_loop(ops):
+    """Unsorted rows (outside stage A's contract, still a valid heap input) fall back to the
+    heap-exact warp loop, request by request, and still match the CPU build."""
+    rng = np.random.default_rng(9)
+    B, budget = 24, 200
+    lp, ids = stage_a_inputs(B, 15, 3000, budget, seed=9, coarse_fraction=0.5)
+    shuffled = np.arange(B) % 3 == 0
+    for b in np.nonzero(shuffled)[0]:
+        d = int(rng.integers(15))
+        perm = torch.as_tensor(rng.permutation(budget))
+        lp[b, d], ids[b, d] = lp[b, d, perm].clone(), ids[b, d, perm].clone()
+    _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))
+    assert np.array_equal((st & ops.STATUS_WARP_LOOP).numpy() != 0, shuffled)
 
 
 def test_tree_build_neg_inf_clamped_like_cpu(ops):

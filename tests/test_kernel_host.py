@@ -21,6 +21,9 @@ def lib():
     f = so.kd_select_nodes_host
     f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
     f.restype = ctypes.c_int
+    g = so.kd_select_threshold_host
+    g.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    g.restype = ctypes.c_int
     return so
 
 
@@ -35,9 +38,35 @@ def host_select(lib, lp, budget):
     return par[:n + 1], dp[1:n + 1]
 
 
+def threshold_select(lib, lp, budget):
+    """The kernel's threshold selection on the host: (n, parents, depths, next_token,
+    next_sibling, stats) with n = -1 (refused) or -2 (not certified) and no arrays then."""
+    lp = np.ascontiguousarray(lp, dtype=np.float32)
+    L, K = lp.shape
+    out = [np.full(max(budget, 0) + 1, -9, np.int32) for _ in range(5)]
+    stats = np.full(2, -1, np.int32)
+    n = lib.kd_select_threshold_host(lp.ctypes.data, L, K, budget, *(a.ctypes.data for a in out),
+                                     stats.ctypes.data)
+    if n < 0:
+        return n, None, None, None, None, stats
+    par, _, dep, nt, ns = (a[:n + 1] for a in out)
+    return n, par, dep[1:], nt, ns, stats
+
+
+def assert_threshold_equals_heap(lib, lp, ids, budget):
+    """Equal to the heap build (pops, depths and links) wherever it returns a selection."""
+    n, par, dep, nt, ns, stats = threshold_select(lib, lp, budget)
+    if n >= 0:
+        t = build_tree(lp, ids, budget)
+        assert np.array_equal(par, t.parents)
+        assert np.array_equal(dep, t.depths)
+        assert np.array_equal(nt, t.next_token) and np.array_equal(ns, t.next_sibling)
+    return n, stats
+
+
 def test_library_exports_the_c_abi(lib):
     for name in ("kd_build_trees", "kd_tree_accept", "kd_verify_attention", "kd_verify_tile",
-                 "kd_version", "kd_select_nodes_host"):
+                 "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
         assert hasattr(lib, name)
 
 
@@ -118,3 +147,63 @@ def test_kernel_selection_long_blocks(lib, L):
             t = build_tree(lp[b].numpy(), ids[b].numpy(), budget)
             par, dep = host_select(lib, lp[b].numpy(), budget)
             assert np.array_equal(par, t.parents) and np.array_equal(dep, t.depths), (seed, b)
+
+
+# ---- the kernel's threshold selection (tree_threshold.cuh), run on the host ----------
+def test_threshold_selection_on_golden_cases(lib, golden):
+    for i, c in enumerate(golden):
+        n, par, dep, *_ = threshold_select(lib, c["top_lp"], int(c["budget"]))
+        assert n >= 0, i   # all certified
+        assert np.array_equal(par, c["parents"]) and np.array_equal(dep, c["depths"]), i
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_threshold_selection_tie_heavy(lib, seed):
+    rng = np.random.default_rng(100 + seed)
+    V = int(rng.choice([2, 3, 7, 50, 4000]))
+    budget = int(rng.choice([1, 2, 15, 16, 100, 512, 1024]))
+    lp, ids = stage_a_inputs(6, 15, V, budget, seed=100 + seed, coarse_fraction=1.0)
+    for b in range(6):
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        assert n >= 0, (seed, b)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+def test_threshold_selection_on_sweep_inputs(lib, budget):
+    """The sweep's inputs: all certified, a few tau raises at most, sorted set <= 2x budget."""
+    raises = []
+    for cf in (0.3, 1.0):
+        lp, ids = stage_a_inputs(12, 15, 8192, budget, seed=7 * budget + int(cf * 10), coarse_fraction=cf)
+        for b in range(12):
+            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+            assert n == budget
+            raises.append(int(stats[0]))
+            assert budget <= stats[1] <= max(4 * budget, 64)
+    assert max(raises) <= 6
+
+
+@pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
+                                        (4, 3, 1024), (15, 16, 15), (16, 3, 300)])
+def test_threshold_selection_small_trees_and_budget_edges(lib, L, V, budget):
+    """Budget 1, budgets past the reachable nodes (the whole tree, in heap order), L 16."""
+    lp, ids = stage_a_inputs(4, L, V, budget, seed=L * 10 + V, coarse_fraction=1.0)
+    for b in range(4):
+        for bud in (1, budget):
+            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), bud)
+            want = min(bud, sum(min(V, bud) ** d for d in range(1, L + 1)))
+            assert n == want
+
+
+def test_threshold_selection_clamped_rows_and_zero_budget(lib):
+    lp, ids = stage_a_inputs(2, 15, 500, 64, seed=5)
+    lp[:, :, 40:] = float("-inf")      # clamped to -1e4: equal values, still sorted
+    for b in range(2):
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 64)
+        assert n == 64
+    assert threshold_select(lib, lp[0].numpy(), 0)[0] == 0
+
+
+def test_threshold_selection_refuses_what_it_cannot_certify(lib):
+    assert threshold_select(lib, np.array([[-1.0, -0.5, -2.0]], np.float32), 3)[0] == -2   # unsorted
+    assert threshold_select(lib, np.array([[0.5, -1.0]], np.float32), 2)[0] == -2          # > 0
+    assert threshold_select(lib, np.full((17, 4), -1.0, np.float32), 8)[0] == -2           # L > 16

@@ -52,12 +52,14 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     lp_d, ids_d = lp.cuda(), ids.cuda()
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
     out = ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D)
+    # Requests the kernel could not certify for threshold selection (built by its warp loop).
+    warp_loop = int(((out.status & ops.STATUS_WARP_LOOP) != 0).sum())
     fn = lambda: ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D, out=out)
     dev = time_graph(fn, replays=cfg["gpu_replays"])
     lat = time_eager_latency(fn, reps=cfg["gpu_replays"])
     tiny = torch.zeros(1, device="cuda")
     empty = time_eager_latency(lambda: tiny.add_(0), reps=cfg["gpu_replays"])
-    rows.append(dict(p, impl="gpu_kernel", metric="device_time", **dev))
+    rows.append(dict(p, impl="gpu_kernel", metric="device_time", warp_loop_requests=warp_loop, **dev))
     rows.append(dict(p, impl="gpu_kernel", metric="caller_latency", **lat))
     rows.append(dict(p, impl="torch_tiny_op", metric="caller_latency", **empty))
     return rows

@@ -16,6 +16,8 @@ extern "C" {
 // Tree-build status bits written to `status[b]` (0 = request built normally).
 #define KD_STATUS_BUDGET_CLAMPED 1   // budget > D-1: built with D-1 nodes
 #define KD_STATUS_NAN_INPUT 2        // NaN or +inf in top_logprobs: tree left root-only
+#define KD_STATUS_WARP_LOOP 4        // information only: selected by the heap-exact warp loop
+                                     // (rows not certified for threshold selection)
 
 
 int kd_version(void);

@@ -1,24 +1,28 @@
-// Best-first DDTree build on the GPU (spec ddtree.md, sections 2-4).
+// DDTree build on the GPU (spec ddtree.md, sections 2-4), one CTA per request.
 //
-// One CTA per request. Warp 0 runs the selection (tree_select.cuh: the frontier's best
-// 32 entries sorted across the lanes, the rest in shared memory), so the pop order is the
-// reference's by construction: score (float64, __dsub_rn/__dadd_rn, no FMA contraction)
-// first, then the lexicographically smaller rank path (a 256-bit key per popped node when
-// L <= 16, else a walk up the parent pointers). While the batch fits one CTA per SM, the
-// request's log-probs are staged in shared memory first (the pops read them on their
-// critical path). The outputs (links, positions, ancestor-closure masks) are then written
-// by the whole CTA in parallel.
+// Selection, fast path (tree_threshold.cuh): the whole CTA selects the top-`budget` nodes
+// by threshold and sorts them, exact under a certificate checked on the way (sorted rows,
+// exact float64 sums). Where the certificate fails (or L > 16, or the device's shared
+// memory is too small for the node buffer), warp 0 runs the heap-exact loop instead
+// (tree_select.cuh: the frontier's best 32 entries sorted across the lanes), whose pops
+// are the reference's by construction. Both produce the pop order, parents and the
+// left-child / right-sibling links; the outputs (tokens, positions, ancestor-closure
+// masks) are then written by the whole CTA in parallel.
 #include <vector>
 
-#include "tree_select.cuh"
+#include "tree_threshold.cuh"
 
 namespace kd {
 namespace {
 
-constexpr int BUILD_THREADS = 256;
+constexpr int BUILD_THREADS = 512;   // blocks of 256 up to D = 257, 512 above
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
-constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs; larger requests read global
+constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs (loop mode)
 
+// mode: 0 = warp loop only (path keys at the start of dynamic shared memory if use_keys,
+// then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
+// of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
+// to the warp loop on global log-probs, its path keys over the node buffer.
 __global__ void __launch_bounds__(BUILD_THREADS)
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
                    const int32_t* __restrict__ budgets, const int32_t* __restrict__ prefix_lens,
@@ -28,17 +32,19 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
                    int64_t* __restrict__ positions, int64_t* __restrict__ next_token,
                    int64_t* __restrict__ next_sibling, uint8_t* __restrict__ visibility,
                    int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status,
-                   int lp_ld, int use_keys) {
-  // Dynamic shared memory: path keys [D][4] (if use_keys), then the staged log-probs
-  // (ranks [0, lp_ld) of every depth, if lp_ld > 0).
+                   int lp_ld, int use_keys, int ts_cap) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
-  uint64_t* s_keys = use_keys ? reinterpret_cast<uint64_t*>(s_dyn) : nullptr;
-  float* s_lp = reinterpret_cast<float*>(s_dyn + (use_keys ? (size_t)D * KEY_WORDS * 8 : 0));
   __shared__ Entry s_overflow[MAX_SLOTS];
   __shared__ uint32_t s_nodes[MAX_SLOTS];
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
+  const bool threshold = ts_cap > 0;
+  const Threshold ts = ts_views(s_dyn, L, lp_ld, threshold ? ts_cap : TS_MIN_NODES);
+  // Warp-loop views: its keys sit over the node buffer in threshold mode.
+  uint64_t* s_keys = !use_keys ? nullptr
+                     : threshold ? reinterpret_cast<uint64_t*>(ts.items) : reinterpret_cast<uint64_t*>(s_dyn);
+  float* s_lp = threshold ? ts.lp : reinterpret_cast<float*>(s_dyn + (use_keys ? (size_t)D * KEY_WORDS * 8 : 0));
   const Selection sel{s_overflow, s_nodes, s_keys, s_links[0], s_links[1], s_links[2]};
 
   const float* lp = top_lp + (size_t)b * L * K;
@@ -46,32 +52,54 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   int flags = 0;
   int budget = budgets[b];
   if (budget > D - 1) { budget = D - 1; flags |= KD_STATUS_BUDGET_CLAMPED; }
+  const int keff = budget < K ? budget : K;
 
   // NaN / +inf anywhere in the request's log-probs: refuse the request (root-only tree).
-  // One flat loop, unrolled: the loads are independent, so they overlap.
-  bool bad = false;
+  // The same pass stages ranks < lp_ld (-inf clamped in threshold mode) and checks the
+  // threshold certificate on ranks < keff: rank 0 <= 0, each rank <= the one before.
+  bool bad = false, uncertified = false;
 #pragma unroll 4
   for (int i = tid; i < L * K; i += blockDim.x) {
     const float v = lp[i];
     bad |= (v != v) || (v == INFINITY);
     const int d = i / K, r = i - d * K;
-    if (r < lp_ld) s_lp[d * lp_ld + r] = v;
+    if (threshold) {
+      const float c = v == -INFINITY ? NEG_INF_FLOOR : v;
+      if (r < lp_ld) s_lp[d * lp_ld + r] = c;
+      if (r < keff) {
+        const float prev = r == 0 ? 0.0f : lp[i - 1];
+        uncertified |= !(c <= (prev == -INFINITY ? NEG_INF_FLOOR : prev));
+      }
+    } else if (r < lp_ld) {
+      s_lp[d * lp_ld + r] = v;
+    }
   }
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
+  uncertified = __syncthreads_or(uncertified) || L > KEY_DEPTH;
 
   for (int i = tid; i < D; i += blockDim.x) {
     sel.next_token[i] = -1; sel.next_sibling[i] = -1; sel.last_child[i] = -1;
   }
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
-  if (use_keys && tid < KEY_WORDS) s_keys[tid] = 0;  // the root's path is empty
   __syncthreads();
-  if (tid < 32) {
-    const int n = lp_ld > 0 ? select_nodes(s_lp, lp_ld, L, K, budget, sel)
-                            : select_nodes(lp, K, L, K, budget, sel);
-    if (tid == 0) s_n = n;
+  int n = -1;
+  if (threshold && !uncertified) n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr);
+  if (n < 0) {  // the warp loop: exact for any input
+    if (budget > 0) flags |= KD_STATUS_WARP_LOOP;
+    __syncthreads();
+    if (threshold)
+      for (int i = tid; i < D; i += blockDim.x) { sel.next_token[i] = -1; sel.next_sibling[i] = -1; }
+    if (use_keys && tid < KEY_WORDS) s_keys[tid] = 0;  // the root's path is empty
+    __syncthreads();
+    if (tid < 32) {
+      const int m = lp_ld > 0 && !threshold ? select_nodes(s_lp, lp_ld, L, K, budget, sel)
+                                            : select_nodes(lp, K, L, K, budget, sel);
+      if (tid == 0) s_n = m;
+    }
+    __syncthreads();
+    n = s_n;
   }
-  __syncthreads();
-  const int n = s_n;
+
   const int64_t prefix = prefix_lens ? prefix_lens[b] : 0;
 
   // Per-slot arrays; padding slots are unreachable leaves of the root.
@@ -128,6 +156,41 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 }  // namespace
 }  // namespace kd
 
+namespace {
+// Per-device launch facts, read once (the launch path stays free of attribute queries).
+struct BuildFacts {
+  size_t room;  // dynamic shared memory a block may use
+  int sms;
+  int ready;
+};
+BuildFacts g_facts[64];
+
+int build_facts(BuildFacts** out) {
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return (int)e;
+  if (dev < 0 || dev >= 64) return KD_ERR_ARGUMENT;
+  BuildFacts& f = g_facts[dev];
+  if (!f.ready) {
+    int optin = 0, sms = 0;
+    cudaFuncAttributes fa;
+    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
+    const size_t room = (size_t)optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
+    // The cap on dynamic shared memory, raised once to all the device allows.
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
+    if (e != cudaSuccess) return (int)e;
+    f.room = room;
+    f.sms = sms;
+    f.ready = 1;
+  }
+  *out = &f;
+  return 0;
+}
+}  // namespace
+
 extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
                               const int32_t* prefix_lens, const int64_t* root_tokens, int B,
                               int L, int K, int D, int32_t* node_counts, int64_t* tokens,
@@ -136,41 +199,35 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int32_t* visibility_bits, int32_t* status, void* stream) {
   if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
-  // Dynamic shared memory, as far as this device allows per block: path keys first
-  // (they make ties cheap), then the staged log-probs (budgets are clamped to D - 1, so
-  // no request reads ranks past min(K, D - 1)).
-  int dev = 0, optin = 0;
-  cudaFuncAttributes fa;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
-  if (e != cudaSuccess) return (int)e;
-  const size_t room = (size_t)optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
-  const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
-  const int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
+  BuildFacts* f = nullptr;
+  const int rc = build_facts(&f);
+  if (rc != 0) return rc;
+  // Budgets are clamped to D - 1, so no request reads ranks past min(K, D - 1).
   int lp_ld = K < D - 1 ? K : D - 1;
-  size_t lp_bytes = (size_t)L * lp_ld * sizeof(float);
-  const size_t smem_keys = use_keys ? key_bytes : 0;
-  // Staging buys a faster pop but costs residency: with more requests than SMs, keep
-  // CTAs small so that every request of the batch runs at once (B 256 x budget 1024 ran
-  // two waves and took twice v1's time with the log-probs staged).
-  int sms = 0;
-  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return (int)e;
-  if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > room || B > sms) { lp_ld = 0; lp_bytes = 0; }
-  const size_t smem = smem_keys + lp_bytes;
-  if (smem > 0) {
-    e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return (int)e;
+  const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
+  int use_keys = L <= kd::KEY_DEPTH && key_bytes <= f->room;
+  int ts_cap = kd::ts_capacity(D - 1);
+  size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
+  if (L > kd::KEY_DEPTH || smem > f->room) {
+    // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.
+    // Staging buys a faster pop but costs residency: with more requests than SMs, keep
+    // CTAs small so that every request of the batch runs at once.
+    ts_cap = 0;
+    const size_t smem_keys = use_keys ? key_bytes : 0;
+    size_t lp_bytes = (size_t)L * lp_ld * sizeof(float);
+    if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > f->room || B > f->sms) { lp_ld = 0; lp_bytes = 0; }
+    smem = smem_keys + lp_bytes;
   }
-  kd::build_trees_kernel<<<B, kd::BUILD_THREADS, smem, (cudaStream_t)stream>>>(
+  const int threads = D > 257 ? kd::BUILD_THREADS : kd::BUILD_THREADS / 2;
+  kd::build_trees_kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
-      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld, use_keys);
+      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
+      use_keys, ts_cap);
   KD_LAUNCH_CHECK();
   return 0;
 }
 
-extern "C" int kd_version(void) { return 2; }
+extern "C" int kd_version(void) { return 3; }
 
 // The kernel's selection, run on the host over one request (for CPU-only checks).
 extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budget,
@@ -189,6 +246,47 @@ extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budge
   for (int i = 1; i <= n; ++i) {
     parents[i] = kd::node_parent(nodes[i]); ranks[i] = kd::node_rank(nodes[i]);
     depths[i] = kd::node_depth(nodes[i]);
+  }
+  return n;
+}
+
+// The kernel's threshold selection, run on the host with one thread over one request:
+// pops (parents, ranks, depths [n + 1]) and links (next_token, next_sibling [n + 1]).
+// Returns n, -1 where the selection refused (the kernel then runs the warp loop), -2
+// where the certificate does not hold (unsorted rows, L > 16) or an argument is bad.
+// stats (may be null): {tau raises, candidates sorted}.
+extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int budget,
+                                        int32_t* parents, int32_t* ranks, int32_t* depths,
+                                        int32_t* next_tok, int32_t* next_sib, int32_t* stats) {
+  if (L < 0 || K < 0 || budget > 1024 || L > kd::KEY_DEPTH) return -2;
+  const int keff = budget < K ? budget : K;
+  const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget);
+  std::vector<unsigned char> buf(kd::ts_smem_bytes(L, ld, cap) + 16);
+  const kd::Threshold t = kd::ts_views(buf.data(), L, ld, cap);
+  for (int d = 0; d < L; ++d)
+    for (int r = 0; r < keff; ++r) {
+      const float v = top_lp[(size_t)d * K + r];
+      const float c = v == -INFINITY ? kd::NEG_INF_FLOOR : v;
+      const float prev = r == 0 ? 0.0f : t.lp[d * ld + r - 1];
+      if (v != v || v == INFINITY || !(c <= prev)) return -2;
+      t.lp[d * ld + r] = c;
+    }
+  const int D = (budget > 0 ? budget : 0) + 1;
+  std::vector<uint32_t> nodes(D, kd::pack_node(0, 0, 0));
+  std::vector<int16_t> links(3 * (size_t)D, -1);
+  const kd::Selection sel{nullptr, nodes.data(), nullptr, links.data(), links.data() + D, links.data() + 2 * D};
+  int st[2] = {0, 0};
+  const int n = kd::threshold_select(t, L, K, budget, sel, 0, 1, st);
+  if (stats) { stats[0] = st[0]; stats[1] = st[1]; }
+  if (n < 0) return n;
+  parents[0] = -1; ranks[0] = 0; depths[0] = 0;
+  for (int i = 0; i <= n; ++i) {
+    if (i > 0) {
+      parents[i] = kd::node_parent(nodes[i]); ranks[i] = kd::node_rank(nodes[i]);
+      depths[i] = kd::node_depth(nodes[i]);
+    }
+    next_tok[i] = links[i];
+    next_sib[i] = links[D + i];
   }
   return n;
 }

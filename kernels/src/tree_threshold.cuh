@@ -1,0 +1,437 @@
+// Threshold selection: the parallel form of the best-first build (spec ddtree.md 2-3), run
+// by a whole CTA per request. Python reference and argument: kdtree/threshold_select.py.
+//
+// Certificate: every depth's first Keff log-probs (-inf clamped) are non-increasing and
+// <= 0 (the caller checks this while staging them), and every selected node's score
+// fl(parent + lp) is exact (TwoSum, checked here). Then scores never rise along the tree
+// and the heap pops exactly the top-`budget` nodes in (score, rank path) order, so:
+//  1. enumerate S(tau) = {score >= tau} level by level: a parent's children in S are a
+//     rank prefix (one binary search per parent), laid out by a block scan;
+//  2. a level that overflows the node buffer raises tau to about the budget-th best score
+//     of what was materialised (radix passes over the score bits; the budget-th best of any
+//     subset of the tree is <= the tree's own), drops what fell below, and is redone;
+//  3. path keys by a walk up each node, a bitonic sort by (score, key), keep `budget`.
+// A refusal returns -1 and the caller runs the heap-exact warp loop (tree_select.cuh).
+// Every function is called by all threads of the block with uniform control flow around
+// barriers; the host build runs the same code with one thread (barriers are no-ops).
+#pragma once
+#include <string.h>
+
+#include "tree_select.cuh"
+
+namespace kd {
+
+#ifdef __CUDA_ARCH__
+#define KD_BARRIER() __syncthreads()
+#else
+#define KD_BARRIER() ((void)0)
+#endif
+
+constexpr int TS_MAX_NODES = 4096;   // node buffer; parent index in 12 bits
+constexpr int TS_MIN_NODES = 64;
+constexpr int TS_MAX_RAISES = 16;    // then refuse: ties that no threshold separates
+constexpr int TS_BINS = 256;         // radix digit of 8 bits
+constexpr int TS_SCRATCH_INTS = TS_BINS + 48;
+
+// Node of the enumerated set: parent's buffer index, rank, depth and an inexact-sum flag.
+KD_HD uint32_t ts_meta(int parent, int rank, int depth, bool inexact) {
+  return (uint32_t)parent | ((uint32_t)rank << 12) | ((uint32_t)depth << 22) | ((uint32_t)inexact << 31);
+}
+KD_HD int ts_parent(uint32_t m) { return (int)(m & 0xfffu); }
+KD_HD int ts_rank(uint32_t m) { return (int)((m >> 12) & 0x3ffu); }
+KD_HD int ts_depth(uint32_t m) { return (int)((m >> 22) & 0x1ffu); }
+KD_HD bool ts_inexact(uint32_t m) { return (m >> 31) != 0; }
+
+// Node buffer size for a budget: twice the next power of two (the sort pads to one).
+KD_HD int ts_capacity(int budget) {
+  int c = TS_MIN_NODES;
+  while (c < 2 * budget && c < TS_MAX_NODES) c <<= 1;
+  return c;
+}
+
+struct SortItem {
+  double score;
+  int idx;
+  int pad;
+};
+
+// Shared-memory views of one request's selection (sizes: kd_threshold_smem_bytes).
+struct Threshold {
+  float* lp;          // [L][ld] staged log-probs, -inf clamped; dead after enumeration
+  uint64_t* keys;     // [cap][KEY_WORDS] path keys, written over lp after enumeration
+  double* score;      // [cap]
+  uint32_t* meta;     // [cap]
+  int* pos;           // [cap + 1] child offsets, compaction targets, then pop indices
+  SortItem* items;    // [cap] compaction staging, then the sort
+  int* scratch;       // [TS_SCRATCH_INTS] radix histogram and broadcast slots
+  unsigned long long* minkey;  // one 64-bit slot
+  int ld;             // row stride of lp
+  int cap;            // node buffer size
+};
+
+KD_HD size_t ts_smem_bytes(int L, int ld, int cap) {
+  const size_t lp = (size_t)L * ld * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
+  const size_t a = ((lp > keys ? lp : keys) + 15) & ~(size_t)15;
+  return a + (size_t)cap * (8 + 4 + 16) + (size_t)(cap + 1) * 4 + TS_SCRATCH_INTS * 4 + 16;
+}
+
+// Carve the views out of one 16-byte aligned block.
+KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
+  Threshold t;
+  const size_t lp = (size_t)L * ld * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
+  const size_t a = ((lp > keys ? lp : keys) + 15) & ~(size_t)15;
+  t.lp = reinterpret_cast<float*>(base);
+  t.keys = reinterpret_cast<uint64_t*>(base);
+  t.items = reinterpret_cast<SortItem*>(base + a);
+  t.score = reinterpret_cast<double*>(base + a + (size_t)cap * 16);
+  t.minkey = reinterpret_cast<unsigned long long*>(base + a + (size_t)cap * 24);
+  t.meta = reinterpret_cast<uint32_t*>(base + a + (size_t)cap * 24 + 16);
+  t.pos = reinterpret_cast<int*>(base + a + (size_t)cap * 28 + 16);
+  t.scratch = t.pos + cap + 1;
+  t.ld = ld;
+  t.cap = cap;
+  return t;
+}
+
+// True where a + b == s exactly (the TwoSum error term is zero).
+KD_HD bool exact_sum(double a, double b, double s) {
+  const double bb = KD_DSUB(s, a);
+  return KD_DADD(KD_DSUB(a, KD_DSUB(s, bb)), KD_DSUB(b, bb)) == 0.0;
+}
+
+// Children of a node of score s among ranks [0, keff) of a sorted row: fl(s + lp[r]) is
+// non-increasing in r, so those >= tau are a prefix; its length by binary search.
+KD_HD int count_children(const float* row, int keff, double s, double tau) {
+  if (s < tau) return 0;
+  int first = 0, len = keff;
+  while (len > 0) {
+    const int half = len >> 1;
+    if (KD_DADD(s, (double)row[first + half]) >= tau) { first += half + 1; len -= half + 1; }
+    else len = half;
+  }
+  return first;
+}
+
+// Scores as unsigned keys in the same order (all scores here are finite).
+KD_HD unsigned long long order_key(double x) {
+#ifdef __CUDA_ARCH__
+  const unsigned long long u = (unsigned long long)__double_as_longlong(x);
+#else
+  unsigned long long u;
+  memcpy(&u, &x, 8);
+#endif
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+KD_HD double from_order_key(unsigned long long u) {
+  u = (u >> 63) ? (u & 0x7fffffffffffffffull) : ~u;
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double((long long)u);
+#else
+  double x;
+  memcpy(&x, &u, 8);
+  return x;
+#endif
+}
+
+KD_HD int smem_add(int* p, int v) {
+#ifdef __CUDA_ARCH__
+  return atomicAdd(p, v);
+#else
+  const int old = *p;
+  *p += v;
+  return old;
+#endif
+}
+
+// In-place exclusive scan of v[0, n); every thread gets the total. Each thread sums a
+// contiguous chunk, warps scan the chunk sums, warp 0 scans the warp sums.
+KD_HD int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) {
+#ifdef __CUDA_ARCH__
+  const int per = (n + nthreads - 1) / nthreads;
+  const int lo = min(n, tid * per), hi = min(n, lo + per);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += v[i];
+  const int lane = tid & 31, warp = tid >> 5, nw = nthreads >> 5;
+  int incl = sum;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += y;
+  }
+  if (lane == 31) sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    const int w = lane < nw ? sums[lane] : 0;
+    int wi = w;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, wi, o);
+      if (lane >= o) wi += y;
+    }
+    if (lane < nw) sums[lane] = wi - w;
+    if (lane == 31) sums[32] = wi;
+  }
+  __syncthreads();
+  int run = sums[warp] + incl - sum;
+  for (int i = lo; i < hi; ++i) { const int x = v[i]; v[i] = run; run += x; }
+  const int total = sums[32];
+  __syncthreads();
+  return total;
+#else
+  (void)sums; (void)tid; (void)nthreads;
+  int run = 0;
+  for (int i = 0; i < n; ++i) { const int x = v[i]; v[i] = run; run += x; }
+  return run;
+#endif
+}
+
+// Radix step: the highest bin b with count(bins > b) < need <= count(bins >= b). Written to
+// out[0] = b, out[1] = count(bins > b). Device: warp 0 (lane l owns bins 8l .. 8l+7).
+KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
+#ifdef __CUDA_ARCH__
+  if (tid >= 32) return;
+  const int lane = tid;
+  int mine = 0;
+  for (int i = 0; i < 8; ++i) mine += hist[lane * 8 + i];
+  int suffix = mine;  // sum over lanes >= lane
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_down_sync(FULL_MASK, suffix, o);
+    if (lane + o < 32) suffix += y;
+  }
+  const unsigned hit = __ballot_sync(FULL_MASK, suffix >= need);
+  const int l = 31 - __clz(hit);  // need <= the total, so some lane hits
+  if (lane == l) {
+    int above = suffix - mine;
+    for (int b = lane * 8 + 7; b >= lane * 8; --b) {
+      if (above + hist[b] >= need) { out[0] = b; out[1] = above; break; }
+      above += hist[b];
+    }
+  }
+#else
+  (void)tid;
+  int above = 0;
+  for (int b = TS_BINS - 1; b >= 0; --b) {
+    if (above + hist[b] >= need) { out[0] = b; out[1] = above; return; }
+    above += hist[b];
+  }
+#endif
+}
+
+// A threshold whose count among nodes [1, m) is >= budget and at most budget + slack (where
+// the bits allow): about the budget-th best score, an actual score of the set.
+KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid, int nthreads) {
+  int* hist = t.scratch;
+  int* pick = t.scratch + TS_BINS;
+  unsigned long long prefix = 0;
+  int need = budget, shift = 64;
+  while (shift > 0) {
+    shift -= 8;
+    for (int i = tid; i < TS_BINS; i += nthreads) hist[i] = 0;
+    KD_BARRIER();
+    for (int i = 1 + tid; i < m; i += nthreads) {
+      const unsigned long long u = order_key(t.score[i]);
+      if (shift == 56 || (u >> (shift + 8)) == (prefix >> (shift + 8)))
+        smem_add(&hist[(u >> shift) & 0xff], 1);
+    }
+    KD_BARRIER();
+    radix_pick(hist, need, pick, tid);
+    KD_BARRIER();
+    const int bin = pick[0], above = pick[1], in_bin = hist[bin];
+    prefix |= (unsigned long long)bin << shift;
+    need -= above;
+    KD_BARRIER();  // hist and pick are rewritten next pass
+    if (in_bin - need <= slack) break;
+  }
+  if (tid == 0) *t.minkey = ~0ull;
+  KD_BARRIER();
+  for (int i = 1 + tid; i < m; i += nthreads) {
+    const unsigned long long u = order_key(t.score[i]);
+    if ((u >> shift) == (prefix >> shift)) {
+#ifdef __CUDA_ARCH__
+      atomicMin(t.minkey, u);
+#else
+      if (u < *t.minkey) *t.minkey = u;
+#endif
+    }
+  }
+  KD_BARRIER();
+  const double tau = from_order_key(*t.minkey);
+  KD_BARRIER();
+  return tau;
+}
+
+// Keep nodes [0, end) scoring >= tau, in order, parents remapped; returns how many.
+// *lb (a level start inside [0, end)) becomes its new index.
+KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int nthreads) {
+  for (int i = tid; i < end; i += nthreads) t.pos[i] = t.score[i] >= tau;
+  KD_BARRIER();
+  const int kept = block_exclusive_scan(t.pos, end, t.scratch, tid, nthreads);
+  for (int i = tid; i < end; i += nthreads) {
+    if (t.score[i] >= tau) {
+      const uint32_t m = t.meta[i];
+      const int p = i == 0 ? 0 : t.pos[ts_parent(m)];
+      t.items[t.pos[i]] = SortItem{t.score[i], (int)ts_meta(p, ts_rank(m), ts_depth(m), ts_inexact(m)), 0};
+    }
+  }
+  const int new_lb = *lb < end ? t.pos[*lb] : kept;
+  KD_BARRIER();
+  for (int j = tid; j < kept; j += nthreads) {
+    t.score[j] = t.items[j].score;
+    t.meta[j] = (uint32_t)t.items[j].idx;
+  }
+  KD_BARRIER();
+  *lb = new_lb;
+  return kept;
+}
+
+// Node i's 256-bit path key (16-bit digits rank + 1, most significant first), by a walk up.
+KD_HD void write_key(const Threshold& t, int i) {
+  uint64_t k[KEY_WORDS] = {0, 0, 0, 0};
+  for (int x = i; x != 0;) {
+    const uint32_t m = t.meta[x];
+    const int d = ts_depth(m) - 1;
+    k[d >> 2] |= (uint64_t)(ts_rank(m) + 1) << ((3 - (d & 3)) * 16);
+    x = ts_parent(m);
+  }
+  for (int w = 0; w < KEY_WORDS; ++w) t.keys[(size_t)i * KEY_WORDS + w] = k[w];
+}
+
+// The spec's order: higher score, then the smaller rank path. Pads (idx >= cap) last.
+KD_HD bool item_better(const Threshold& t, const SortItem& a, const SortItem& b) {
+  if (a.score != b.score) return a.score > b.score;
+  if (a.idx >= t.cap || b.idx >= t.cap) return a.idx < b.idx;
+  for (int w = 0; w < KEY_WORDS; ++w) {
+    const uint64_t ka = t.keys[(size_t)a.idx * KEY_WORDS + w], kb = t.keys[(size_t)b.idx * KEY_WORDS + w];
+    if (ka != kb) return ka < kb;
+  }
+  return false;
+}
+
+KD_HD bool block_any(bool x) {
+#ifdef __CUDA_ARCH__
+  return __syncthreads_or(x) != 0;
+#else
+  return x;
+#endif
+}
+
+// One request's selection over staged, certified rows (L <= KEY_DEPTH). Writes the pops to
+// out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
+// or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
+// null) gets {raises, candidates sorted}.
+KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
+                           int tid, int nthreads, int* stats) {
+  const int keff = min(budget, K);
+  if (budget <= 0 || L == 0 || keff == 0) return 0;
+  const int cap = t.cap;
+  // tau starts at a score the best `budget` nodes all reach: the budget-th depth-1 node's,
+  // or below every node when depth 1 holds fewer.
+  double whole = -1.0;
+  for (int d = 0; d < L; ++d) whole = KD_DADD(whole, (double)t.lp[d * t.ld + keff - 1]);
+  double tau = keff >= budget ? (double)t.lp[budget - 1] : whole;
+  // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
+  // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
+  double lo = tau, hi = (double)t.lp[0];
+  bool guess = false;
+  int lb, le, raises = 0;
+  for (;;) {
+    if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
+    lb = 0;
+    le = 1;
+    KD_BARRIER();
+    bool restart = false;
+    for (int d = 0; d < L;) {
+      const float* row = t.lp + d * t.ld;
+      const int np = le - lb;
+      for (int i = tid; i < np; i += nthreads) t.pos[i] = count_children(row, keff, t.score[lb + i], tau);
+      KD_BARRIER();
+      const int total = block_exclusive_scan(t.pos, np, t.scratch, tid, nthreads);
+      const int room = cap - le, w = total < room ? total : room;
+      for (int j = tid; j < w; j += nthreads) {
+        int first = 0, len = np;  // owner: the last parent whose offset is <= j
+        while (len > 0) {
+          const int half = len >> 1;
+          if (t.pos[first + half] <= j) { first += half + 1; len -= half + 1; }
+          else len = half;
+        }
+        const int o = first - 1, p = lb + o, r = j - t.pos[o];
+        const double s = t.score[p], x = (double)row[r], c = KD_DADD(s, x);
+        t.score[le + j] = c;
+        t.meta[le + j] = ts_meta(p, r, d + 1, !exact_sum(s, x, c));
+      }
+      KD_BARRIER();
+      if (total > room) {  // overflow: raise tau over what is materialised, redo this level
+        if (++raises > TS_MAX_RAISES) return -1;
+        double nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
+        // A bin cut short may reach down to tau itself: then take the exact budget-th score.
+        if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
+        if (nt > tau) {
+          tau = nt;
+          guess = false;
+          le = compact(t, le, tau, &lb, tid, nthreads);
+          continue;
+        }
+        lo = tau;  // stuck on ties: guess
+        tau = lo + (hi - lo) / 2;
+        if (!(tau > lo && tau < hi)) return -1;
+        guess = true;
+        restart = true;
+        break;
+      }
+      if (total == 0) break;
+      lb = le;
+      le += total;
+      ++d;
+    }
+    if (restart) continue;
+    if (guess && le - 1 < budget) {  // the guess was too high
+      if (++raises > TS_MAX_RAISES) return -1;
+      hi = tau;
+      tau = lo + (hi - lo) / 2;
+      if (!(tau > lo && tau < hi)) return -1;
+      continue;
+    }
+    break;
+  }
+  const int nS = le, m = nS - 1;
+  const int n = m < budget ? m : budget;
+  if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
+  // Keys (over the dead lp), then the sort of the m candidates.
+  for (int i = 1 + tid; i < nS; i += nthreads) write_key(t, i);
+  int P = 1;
+  while (P < m) P <<= 1;
+  for (int i = tid; i < P; i += nthreads)
+    t.items[i] = i < m ? SortItem{t.score[i + 1], i + 1, 0} : SortItem{-INFINITY, cap + i, 0};
+  KD_BARRIER();
+  for (int k = 2; k <= P; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int q = tid; q < P / 2; q += nthreads) {
+        const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i | j;
+        const SortItem a = t.items[i], b = t.items[l];
+        if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
+      }
+      KD_BARRIER();
+    }
+  }
+  // Pop index of every selected node; refuse if a sum was inexact or a parent is missing.
+  bool bad = false;
+  for (int i = tid; i < nS; i += nthreads) t.pos[i] = 0;
+  KD_BARRIER();
+  for (int k = tid; k < n; k += nthreads) {
+    t.pos[t.items[k].idx] = k + 1;
+    bad |= ts_inexact(t.meta[t.items[k].idx]);
+  }
+  if (block_any(bad)) return -1;
+  for (int k = tid; k < n; k += nthreads) {
+    const int i = t.items[k].idx;
+    const uint32_t mi = t.meta[i];
+    const int p = ts_parent(mi), pp = p == 0 ? 0 : t.pos[p];
+    bad |= p != 0 && pp == 0;
+    out.nodes[k + 1] = pack_node(pp, ts_rank(mi), ts_depth(mi));
+    if (ts_rank(mi) == 0) out.next_token[pp] = (int16_t)(k + 1);
+    if (i + 1 < nS && ts_parent(t.meta[i + 1]) == p && t.pos[i + 1] > 0)
+      out.next_sibling[k + 1] = (int16_t)t.pos[i + 1];
+  }
+  if (block_any(bad)) return -1;
+  return n;
+}
+
+}  // namespace kd
