@@ -45,7 +45,9 @@ def lib() -> ctypes.CDLL:
     so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
     so.kd_verify_tile.argtypes = [_I] + [ctypes.POINTER(_I)] * 3
-    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile):
+    so.kd_build_set_smem_limit.argtypes = [_I]
+    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile,
+              so.kd_build_set_smem_limit):
         f.restype = _I
     return so
 

@@ -118,6 +118,30 @@ def test_tree_build_uncertified_rows_take_the_warp_loop(ops):
     assert np.array_equal((st & ops.STATUS_WARP_LOOP).numpy() != 0, shuffled)
 
 
+# RTX PRO 6000 (sm_120): 99 KB of shared memory a block, less the kernel's static arrays.
+SM120_ROOM = 99 * 1024 - 26656
+
+
+@pytest.mark.parametrize("limit", [SM120_ROOM, 1])
+def test_tree_build_on_a_smaller_gpus_shared_memory(ops, limit):
+    """With the build's shared memory capped (sm_120's room; 1 byte: nothing staged, no
+    bit rows in shared memory), every path the smaller GPU takes still matches the CPU."""
+    rng = np.random.default_rng(limit)
+    old = ops.lib().kd_build_set_smem_limit(limit)
+    try:
+        for V, cf in ((8192, 0.3), (7, 1.0)):
+            budgets = rng.choice(BUDGET_CHOICES, size=48)
+            budgets[:4] = 1024
+            lp, ids = stage_a_inputs(48, 15, V, 1024, seed=int(rng.integers(1 << 30)), coarse_fraction=cf)
+            gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=48), rng.integers(0, V, size=48))
+            small = np.minimum(budgets, 200)  # D 201: threshold selection fits sm_120
+            _, st = gpu_vs_cpu(ops, lp, ids, small, np.arange(48), np.arange(48))
+            if limit > 1:
+                assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
+    finally:
+        ops.lib().kd_build_set_smem_limit(old)
+
+
 def test_tree_build_neg_inf_clamped_like_cpu(ops):
     lp, ids = stage_a_inputs(16, 15, 500, 64, seed=5)
     lp[:, :, 40:] = float("-inf")

@@ -35,6 +35,10 @@ int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* b
                    int64_t* next_sibling, uint8_t* visibility, int32_t* visibility_bits,
                    int32_t* status, void* stream);
 
+// Caps the build's dynamic shared memory per block (0: the device's own limit) so that a
+// large GPU runs the paths a smaller one takes; returns the previous cap. For tests.
+int kd_build_set_smem_limit(int bytes);
+
 // Greedy accept (spec ddtree.md section 5). candidates/next_token/next_sibling/target
 // i64 [B, D]; accept_index i32 [B, max_depth+1] (global slot ids b*D+i, -1 padded),
 // accept_len i32 [B] (root excluded), bonus i64 [B].

@@ -19,6 +19,42 @@ constexpr int BUILD_THREADS = 512;   // blocks of 256 up to D = 257, 512 above
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
 constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs (loop mode)
 
+// Bits b0..b3 of x as the bytes 0/1 of a word (little-endian: bit k -> byte k).
+__device__ __forceinline__ uint32_t spread4(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
+
+// Bit (i, j) of the D x D ancestor matrix, rows of W words.
+__device__ __forceinline__ uint8_t vis_bit(const uint32_t* bits, int W, int i, int j) {
+  return (bits[i * W + (j >> 5)] >> (j & 31)) & 1u;
+}
+
+// The request's bool matrix (D * D bytes from `out`, any alignment) from its bit rows:
+// 16-byte stores over the aligned body, bytes at the two ends.
+__device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D, int W, int tid, int nthreads) {
+  const int total = D * D;
+  int head = (int)((16 - ((uintptr_t)out & 15)) & 15);
+  if (head > total) head = total;
+  const int chunks = (total - head) >> 4, tail = head + (chunks << 4);
+  for (int f = tid; f < head; f += nthreads) out[f] = vis_bit(bits, W, f / D, f % D);
+  for (int f = tail + tid; f < total; f += nthreads) out[f] = vis_bit(bits, W, f / D, f % D);
+  uint4* body = reinterpret_cast<uint4*>(out + head);
+  for (int c = tid; c < chunks; c += nthreads) {
+    const int f = head + (c << 4), i = f / D, j = f - i * D;
+    uint32_t x;  // the 16 bits of bytes f .. f + 15
+    if (j + 16 <= D) {
+      const int w = j >> 5, o = j & 31;
+      const uint32_t lo = bits[i * W + w], hi = w + 1 < W ? bits[i * W + w + 1] : 0u;
+      x = o ? (lo >> o) | (hi << (32 - o)) : lo;
+    } else {  // crosses the end of a row
+      x = 0;
+      for (int k = 0, ii = i, jj = j; k < 16; ++k) {
+        x |= (uint32_t)vis_bit(bits, W, ii, jj) << k;
+        if (++jj == D) { jj = 0; ++ii; }
+      }
+    }
+    body[c] = make_uint4(spread4(x), spread4(x >> 4), spread4(x >> 8), spread4(x >> 12));
+  }
+}
+
 // mode: 0 = warp loop only (path keys at the start of dynamic shared memory if use_keys,
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
@@ -32,13 +68,14 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
                    int64_t* __restrict__ positions, int64_t* __restrict__ next_token,
                    int64_t* __restrict__ next_sibling, uint8_t* __restrict__ visibility,
                    int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status,
-                   int lp_ld, int use_keys, int ts_cap) {
+                   int lp_ld, int use_keys, int ts_cap, int vis_smem) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ Entry s_overflow[MAX_SLOTS];
   __shared__ uint32_t s_nodes[MAX_SLOTS];
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
+  KD_PROF(0);
   const bool threshold = ts_cap > 0;
   const Threshold ts = ts_views(s_dyn, L, lp_ld, threshold ? ts_cap : TS_MIN_NODES);
   // Warp-loop views: its keys sit over the node buffer in threshold mode.
@@ -76,6 +113,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   }
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
   uncertified = __syncthreads_or(uncertified) || L > KEY_DEPTH;
+  KD_PROF(1);
 
   for (int i = tid; i < D; i += blockDim.x) {
     sel.next_token[i] = -1; sel.next_sibling[i] = -1; sel.last_child[i] = -1;
@@ -100,6 +138,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     n = s_n;
   }
 
+  KD_PROF(5);
   const int64_t prefix = prefix_lens ? prefix_lens[b] : 0;
 
   // Per-slot arrays; padding slots are unreachable leaves of the root.
@@ -119,38 +158,63 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
   }
   if (tid == 0) { node_counts[b] = n; status[b] = flags; }
+  KD_PROF(6);
 
-  // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
   const int W = ceil_div(D, 32);
-  const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-  for (int i = warp; i < D; i += nwarps) {
-    uint32_t w0 = 0, w1 = 0;
-    int a = i;
-    if (i > n) {  // padding row: root + itself
-      if ((i >> 5) == lane) w0 |= 1u << (i & 31);
-      if ((i >> 5) == lane + 32) w1 |= 1u << (i & 31);
-      a = 0;
+  if (vis_smem) {
+    // Ancestor rows as bits in shared memory (over the dead selection buffers): a thread
+    // per row walks up its chain (at most L steps); then both outputs stream out coalesced.
+    uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
+    __syncthreads();  // the selection's shared buffers are no longer read
+    for (int i = tid; i < D; i += blockDim.x) {
+      uint32_t* row = s_bits + (size_t)i * W;
+      for (int w = 0; w < W; ++w) row[w] = 0;
+      row[i >> 5] |= 1u << (i & 31);
+      for (int a = i > n ? 0 : (i == 0 ? -1 : node_parent(s_nodes[i])), guard = 0; a >= 0 && guard < D; ++guard) {
+        row[a >> 5] |= 1u << (a & 31);  // padding rows (i > n): root + itself
+        a = a == 0 ? -1 : node_parent(s_nodes[a]);
+      }
     }
-    for (int guard = 0; a >= 0 && guard <= D; ++guard) {  // a chain is at most D long
-      const int w = a >> 5;
-      if (w == lane) w0 |= 1u << (a & 31);
-      if (w == lane + 32) w1 |= 1u << (a & 31);
-      a = a == 0 ? -1 : node_parent(s_nodes[a]);
-    }
-    const size_t vrow = ((size_t)b * D + i);
+    __syncthreads();
+    KD_PROF(7);
     if (visibility_bits) {
-      if (lane < W) visibility_bits[vrow * W + lane] = (int32_t)w0;
-      if (lane + 32 < W) visibility_bits[vrow * W + lane + 32] = (int32_t)w1;
+      int32_t* vb = visibility_bits + (size_t)b * D * W;
+      for (int i = tid; i < D * W; i += blockDim.x) vb[i] = (int32_t)s_bits[i];
     }
-    if (visibility) {
-      for (int base = 0; base < D; base += 32) {
-        const int word = base >> 5;
-        const uint32_t bits = __shfl_sync(0xffffffffu, word < 32 ? w0 : w1, word & 31);
-        const int j = base + lane;
-        if (j < D) visibility[vrow * D + j] = (bits >> lane) & 1u;
+    if (visibility) write_visibility_bytes(visibility + (size_t)b * D * D, s_bits, D, W, tid, blockDim.x);
+  } else {
+    // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
+    const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (int i = warp; i < D; i += nwarps) {
+      uint32_t w0 = 0, w1 = 0;
+      int a = i;
+      if (i > n) {  // padding row: root + itself
+        if ((i >> 5) == lane) w0 |= 1u << (i & 31);
+        if ((i >> 5) == lane + 32) w1 |= 1u << (i & 31);
+        a = 0;
+      }
+      for (int guard = 0; a >= 0 && guard <= D; ++guard) {  // a chain is at most D long
+        const int w = a >> 5;
+        if (w == lane) w0 |= 1u << (a & 31);
+        if (w == lane + 32) w1 |= 1u << (a & 31);
+        a = a == 0 ? -1 : node_parent(s_nodes[a]);
+      }
+      const size_t vrow = ((size_t)b * D + i);
+      if (visibility_bits) {
+        if (lane < W) visibility_bits[vrow * W + lane] = (int32_t)w0;
+        if (lane + 32 < W) visibility_bits[vrow * W + lane + 32] = (int32_t)w1;
+      }
+      if (visibility) {
+        for (int base = 0; base < D; base += 32) {
+          const int word = base >> 5;
+          const uint32_t bits = __shfl_sync(0xffffffffu, word < 32 ? w0 : w1, word & 31);
+          const int j = base + lane;
+          if (j < D) visibility[vrow * D + j] = (bits >> lane) & 1u;
+        }
       }
     }
   }
+  KD_PROF(8);
 }
 
 }  // namespace
@@ -164,6 +228,7 @@ struct BuildFacts {
   int ready;
 };
 BuildFacts g_facts[64];
+int g_smem_limit = 0;  // bytes of dynamic shared memory the build may use; 0: the device's
 
 int build_facts(BuildFacts** out) {
   int dev = 0;
@@ -202,32 +267,53 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   BuildFacts* f = nullptr;
   const int rc = build_facts(&f);
   if (rc != 0) return rc;
+  // A limit set by kd_build_set_smem_limit stands in for a smaller GPU's shared memory.
+  const size_t room = g_smem_limit > 0 && (size_t)g_smem_limit < f->room ? (size_t)g_smem_limit : f->room;
   // Budgets are clamped to D - 1, so no request reads ranks past min(K, D - 1).
   int lp_ld = K < D - 1 ? K : D - 1;
   const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
-  int use_keys = L <= kd::KEY_DEPTH && key_bytes <= f->room;
+  int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
   int ts_cap = kd::ts_capacity(D - 1);
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
-  if (L > kd::KEY_DEPTH || smem > f->room) {
+  if (L > kd::KEY_DEPTH || smem > room) {
     // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.
     // Staging buys a faster pop but costs residency: with more requests than SMs, keep
     // CTAs small so that every request of the batch runs at once.
     ts_cap = 0;
     const size_t smem_keys = use_keys ? key_bytes : 0;
     size_t lp_bytes = (size_t)L * lp_ld * sizeof(float);
-    if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > f->room || B > f->sms) { lp_ld = 0; lp_bytes = 0; }
+    if (lp_bytes > kd::LP_SMEM_MAX || smem_keys + lp_bytes > room || B > f->sms) { lp_ld = 0; lp_bytes = 0; }
     smem = smem_keys + lp_bytes;
   }
+  // Visibility from bit rows in shared memory (over the selection's buffers) where they fit.
+  const size_t vis_bytes = (size_t)D * kd::ceil_div(D, 32) * sizeof(uint32_t);
+  const int vis_smem = (visibility || visibility_bits) && vis_bytes <= room;
+  if (vis_smem && vis_bytes > smem) smem = vis_bytes;
   const int threads = D > 257 ? kd::BUILD_THREADS : kd::BUILD_THREADS / 2;
   kd::build_trees_kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
       parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
-      use_keys, ts_cap);
+      use_keys, ts_cap, vis_smem);
   KD_LAUNCH_CHECK();
   return 0;
 }
 
 extern "C" int kd_version(void) { return 3; }
+
+// Caps the build's dynamic shared memory (0: the device's own limit), so that a large GPU
+// runs the code paths of a smaller one (RTX PRO 6000: 99 KB a block); returns the old cap.
+extern "C" int kd_build_set_smem_limit(int bytes) {
+  const int old = g_smem_limit;
+  g_smem_limit = bytes > 0 ? bytes : 0;
+  return old;
+}
+
+#ifdef KD_BUILD_PROFILE
+// Phase stamps of block 0 in the last launch (profile builds only).
+extern "C" int kd_build_profile(long long* out) {
+  return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * 16);
+}
+#endif
 
 // The kernel's selection, run on the host over one request (for CPU-only checks).
 extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budget,

@@ -27,6 +27,16 @@ namespace kd {
 #define KD_BARRIER() ((void)0)
 #endif
 
+// Profile builds (-DKD_BUILD_PROFILE): block 0 stamps clock64() at phase ends.
+#ifdef KD_BUILD_PROFILE
+__device__ long long g_prof[16];
+#endif
+#if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
+#define KD_PROF(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
+#else
+#define KD_PROF(k) ((void)0)
+#endif
+
 constexpr int TS_MAX_NODES = 4096;   // node buffer; parent index in 12 bits
 constexpr int TS_MIN_NODES = 64;
 constexpr int TS_MAX_RAISES = 16;    // then refuse: ties that no threshold separates
@@ -391,6 +401,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     }
     break;
   }
+  KD_PROF(2);
   const int nS = le, m = nS - 1;
   const int n = m < budget ? m : budget;
   if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
@@ -401,6 +412,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   for (int i = tid; i < P; i += nthreads)
     t.items[i] = i < m ? SortItem{t.score[i + 1], i + 1, 0} : SortItem{-INFINITY, cap + i, 0};
   KD_BARRIER();
+  KD_PROF(3);
   for (int k = 2; k <= P; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int q = tid; q < P / 2; q += nthreads) {
@@ -411,6 +423,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       KD_BARRIER();
     }
   }
+  KD_PROF(4);
   // Pop index of every selected node; refuse if a sum was inexact or a parent is missing.
   bool bad = false;
   for (int i = tid; i < nS; i += nthreads) t.pos[i] = 0;
