@@ -92,25 +92,39 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   const int keff = budget < K ? budget : K;
 
   // NaN / +inf anywhere in the request's log-probs: refuse the request (root-only tree).
-  // The same pass stages ranks < lp_ld (-inf clamped in threshold mode) and checks the
-  // threshold certificate on ranks < keff: rank 0 <= 0, each rank <= the one before.
+  // The same pass stages ranks < lp_ld (-inf clamped in threshold mode).
   bool bad = false, uncertified = false;
-#pragma unroll 4
-  for (int i = tid; i < L * K; i += blockDim.x) {
-    const float v = lp[i];
-    bad |= (v != v) || (v == INFINITY);
-    const int d = i / K, r = i - d * K;
-    if (threshold) {
-      const float c = v == -INFINITY ? NEG_INF_FLOOR : v;
-      if (r < lp_ld) s_lp[d * lp_ld + r] = c;
-      if (r < keff) {
-        const float prev = r == 0 ? 0.0f : lp[i - 1];
-        uncertified |= !(c <= (prev == -INFINITY ? NEG_INF_FLOOR : prev));
+  const float clamp_floor = threshold ? NEG_INF_FLOOR : -INFINITY;  // the warp loop clamps itself
+  if ((K & 3) == 0 && ((uintptr_t)lp & 15) == 0 && lp_ld > 0) {
+    // Four ranks a load (K % 4 == 0: a vector never straddles two depths).
+    const float4* lp4 = reinterpret_cast<const float4*>(lp);
+    for (int i = tid; i < (L * K) >> 2; i += blockDim.x) {
+      const float4 v = lp4[i];
+      const int d = (i << 2) / K, r = (i << 2) - d * K;
+      const float e[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        bad |= (e[k] != e[k]) || (e[k] == INFINITY);
+        if (r + k < lp_ld) s_lp[d * lp_ld + r + k] = fmaxf(e[k], clamp_floor);
       }
-    } else if (r < lp_ld) {
-      s_lp[d * lp_ld + r] = v;
+    }
+  } else {
+#pragma unroll 4
+    for (int i = tid; i < L * K; i += blockDim.x) {
+      const float v = lp[i];
+      bad |= (v != v) || (v == INFINITY);
+      const int d = i / K, r = i - d * K;
+      if (r < lp_ld) s_lp[d * lp_ld + r] = fmaxf(v, clamp_floor);
     }
   }
+  __syncthreads();
+  // Threshold certificate on the staged ranks < keff: rank 0 <= 0, each <= the one before.
+  if (threshold)
+    for (int i = tid; i < L * keff; i += blockDim.x) {
+      const int d = i / keff, r = i - d * keff;
+      const float c = s_lp[d * lp_ld + r], prev = r == 0 ? 0.0f : s_lp[d * lp_ld + r - 1];
+      uncertified |= !(c <= prev);
+    }
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
   uncertified = __syncthreads_or(uncertified) || L > KEY_DEPTH;
   KD_PROF(1);

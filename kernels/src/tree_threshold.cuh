@@ -41,6 +41,7 @@ constexpr int TS_MAX_NODES = 4096;   // node buffer; parent index in 12 bits
 constexpr int TS_MIN_NODES = 64;
 constexpr int TS_MAX_RAISES = 16;    // then refuse: ties that no threshold separates
 constexpr int TS_BINS = 256;         // radix digit of 8 bits
+constexpr int TS_COUNTERS = TS_BINS + 16;  // three rotating level counters
 constexpr int TS_SCRATCH_INTS = TS_BINS + 48;
 
 // Node of the enumerated set: parent's buffer index, rank, depth and an inexact-sum flag.
@@ -292,16 +293,84 @@ KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int
   return kept;
 }
 
+// Children of the level's parents [lb, le) scoring >= tau, appended at le: sibling ranks
+// contiguous, ascending. Writes stop at the buffer's end; returns the level's full count
+// (more than cap - le: the level overflowed). Device: each warp takes 32 parents and
+// allocates its children with one atomic on the level's counter (t.scratch[TS_COUNTERS +
+// d % 3], zero on entry); the order of parent groups varies, and nothing depends on it.
+// Host: one block scan, parents in order.
+KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int d, double tau,
+                            int lb, int le, int tid, int nthreads) {
+  const int room = t.cap - le;
+#ifdef __CUDA_ARCH__
+  int* counter = t.scratch + TS_COUNTERS + d % 3;
+  const int lane = tid & 31;
+  for (int p0 = lb; p0 < le; p0 += nthreads) {
+    const int p = p0 + tid;
+    const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
+    int incl = c;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(FULL_MASK, incl, o);
+      if (lane >= o) incl += y;
+    }
+    const int wtot = __shfl_sync(FULL_MASK, incl, 31);
+    if (wtot == 0) continue;
+    int base = lane == 31 ? atomicAdd(counter, wtot) : 0;
+    base = __shfl_sync(FULL_MASK, base, 31);
+    for (int j0 = 0; j0 < wtot; j0 += 32) {
+      const int j = j0 + lane;
+      int o = 0;  // owner lane: how many lanes' children end at or before j
+      for (int step = 16; step > 0; step >>= 1)
+        if (__shfl_sync(FULL_MASK, incl, o + step - 1) <= j) o += step;
+      o = min(o, 31);
+      const int po = __shfl_sync(FULL_MASK, p, o), first = __shfl_sync(FULL_MASK, incl - c, o);
+      const int at = base + j;
+      if (j < wtot && at < room) {
+        const int r = j - first;
+        const double sp = t.score[po], x = (double)row[r], sc = KD_DADD(sp, x);
+        t.score[le + at] = sc;
+        t.meta[le + at] = ts_meta(po, r, d + 1, !exact_sum(sp, x, sc));
+      }
+    }
+  }
+  __syncthreads();
+  return *counter;
+#else
+  const int np = le - lb;
+  for (int i = tid; i < np; i += nthreads) t.pos[i] = count_children(row, keff, t.score[lb + i], tau);
+  const int total = block_exclusive_scan(t.pos, np, t.scratch, tid, nthreads);
+  const int w = total < room ? total : room;
+  for (int j = tid; j < w; j += nthreads) {
+    int first = 0, len = np;  // owner: the last parent whose offset is <= j
+    while (len > 0) {
+      const int half = len >> 1;
+      if (t.pos[first + half] <= j) { first += half + 1; len -= half + 1; }
+      else len = half;
+    }
+    const int o = first - 1, p = lb + o, r = j - t.pos[o];
+    const double sp = t.score[p], x = (double)row[r], sc = KD_DADD(sp, x);
+    t.score[le + j] = sc;
+    t.meta[le + j] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
+  }
+  return total;
+#endif
+}
+
 // Node i's 256-bit path key (16-bit digits rank + 1, most significant first), by a walk up.
 KD_HD void write_key(const Threshold& t, int i) {
-  uint64_t k[KEY_WORDS] = {0, 0, 0, 0};
+  uint64_t k0 = 0, k1 = 0, k2 = 0, k3 = 0;  // registers, not an indexed array (local memory)
   for (int x = i; x != 0;) {
     const uint32_t m = t.meta[x];
-    const int d = ts_depth(m) - 1;
-    k[d >> 2] |= (uint64_t)(ts_rank(m) + 1) << ((3 - (d & 3)) * 16);
+    const int d = ts_depth(m) - 1, w = d >> 2;
+    const uint64_t v = (uint64_t)(ts_rank(m) + 1) << ((3 - (d & 3)) * 16);
+    k0 |= w == 0 ? v : 0;
+    k1 |= w == 1 ? v : 0;
+    k2 |= w == 2 ? v : 0;
+    k3 |= w == 3 ? v : 0;
     x = ts_parent(m);
   }
-  for (int w = 0; w < KEY_WORDS; ++w) t.keys[(size_t)i * KEY_WORDS + w] = k[w];
+  uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
+  k[0] = k0; k[1] = k1; k[2] = k2; k[3] = k3;
 }
 
 // The spec's order: higher score, then the smaller rank path. Pads (idx >= cap) last.
@@ -313,6 +382,79 @@ KD_HD bool item_better(const Threshold& t, const SortItem& a, const SortItem& b)
     if (ka != kb) return ka < kb;
   }
   return false;
+}
+
+// Items 0 .. m-1 := nodes 1 .. m, sorted best first (bitonic network over the next power
+// of two, pads last). Device: each thread keeps its items in registers (item e = s *
+// nthreads + tid); stages whose partners sit in the same warp run on shuffles, the others
+// in shared memory. Host: the plain network.
+constexpr int TS_SORT_SLOTS = 4;  // items a thread holds: cap / threads <= 2048 / 512
+
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void sort_stage_smem(const Threshold& t, int P, int k, int j, int tid, int nthreads) {
+  for (int q = tid; q < P / 2; q += nthreads) {
+    const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i | j;
+    const SortItem a = t.items[i], b = t.items[l];
+    if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
+  }
+  __syncthreads();
+}
+#endif
+
+KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
+  const int cap = t.cap;
+#ifdef __CUDA_ARCH__
+  int P = 32;
+  while (P < m) P <<= 1;
+  SortItem it[TS_SORT_SLOTS];
+#pragma unroll
+  for (int s = 0; s < TS_SORT_SLOTS; ++s) {
+    const int e = s * nthreads + tid;
+    it[s] = e < m ? SortItem{t.score[e + 1], e + 1, 0} : SortItem{-INFINITY, cap + e, 0};
+  }
+  for (int k = 2; k <= P; k <<= 1) {
+    int j = k >> 1;
+    if (j >= 32) {  // partners in other warps (or slots): through shared memory
+#pragma unroll
+      for (int s = 0; s < TS_SORT_SLOTS; ++s)
+        if (s * nthreads + tid < P) t.items[s * nthreads + tid] = it[s];
+      __syncthreads();
+      for (; j >= 32; j >>= 1) sort_stage_smem(t, P, k, j, tid, nthreads);
+#pragma unroll
+      for (int s = 0; s < TS_SORT_SLOTS; ++s)
+        if (s * nthreads + tid < P) it[s] = t.items[s * nthreads + tid];
+    }
+    for (; j > 0; j >>= 1) {
+#pragma unroll
+      for (int s = 0; s < TS_SORT_SLOTS; ++s) {
+        if (s * nthreads >= P) break;  // warp-uniform: P and nthreads are multiples of 32
+        const int e = s * nthreads + tid;
+        SortItem o;
+        o.score = __shfl_xor_sync(FULL_MASK, it[s].score, j);
+        o.idx = __shfl_xor_sync(FULL_MASK, it[s].idx, j);
+        const bool take_better = ((e & j) == 0) == ((e & k) == 0);
+        if (e < P && item_better(t, o, it[s]) == take_better) it[s] = o;
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < TS_SORT_SLOTS; ++s)
+    if (s * nthreads + tid < P) t.items[s * nthreads + tid] = it[s];
+  __syncthreads();
+#else
+  (void)nthreads;
+  int P = 1;
+  while (P < m) P <<= 1;
+  for (int i = tid; i < P; ++i)
+    t.items[i] = i < m ? SortItem{t.score[i + 1], i + 1, 0} : SortItem{-INFINITY, cap + i, 0};
+  for (int k = 2; k <= P; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1)
+      for (int q = 0; q < P / 2; ++q) {
+        const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i | j;
+        const SortItem a = t.items[i], b = t.items[l];
+        if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
+      }
+#endif
 }
 
 KD_HD bool block_any(bool x) {
@@ -342,6 +484,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   double lo = tau, hi = (double)t.lp[0];
   bool guess = false;
   int lb, le, raises = 0;
+  if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
   for (;;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
     lb = 0;
@@ -350,29 +493,14 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     bool restart = false;
     for (int d = 0; d < L;) {
       const float* row = t.lp + d * t.ld;
-      const int np = le - lb;
-      for (int i = tid; i < np; i += nthreads) t.pos[i] = count_children(row, keff, t.score[lb + i], tau);
-      KD_BARRIER();
-      const int total = block_exclusive_scan(t.pos, np, t.scratch, tid, nthreads);
-      const int room = cap - le, w = total < room ? total : room;
-      for (int j = tid; j < w; j += nthreads) {
-        int first = 0, len = np;  // owner: the last parent whose offset is <= j
-        while (len > 0) {
-          const int half = len >> 1;
-          if (t.pos[first + half] <= j) { first += half + 1; len -= half + 1; }
-          else len = half;
-        }
-        const int o = first - 1, p = lb + o, r = j - t.pos[o];
-        const double s = t.score[p], x = (double)row[r], c = KD_DADD(s, x);
-        t.score[le + j] = c;
-        t.meta[le + j] = ts_meta(p, r, d + 1, !exact_sum(s, x, c));
-      }
-      KD_BARRIER();
+      const int room = cap - le;
+      const int total = materialise_level(t, row, keff, d, tau, lb, le, tid, nthreads);
       if (total > room) {  // overflow: raise tau over what is materialised, redo this level
         if (++raises > TS_MAX_RAISES) return -1;
         double nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
+        if (tid == 0) t.scratch[TS_COUNTERS + d % 3] = 0;  // read by all before raise_tau's barriers
         if (nt > tau) {
           tau = nt;
           guess = false;
@@ -384,8 +512,10 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         if (!(tau > lo && tau < hi)) return -1;
         guess = true;
         restart = true;
+        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
         break;
       }
+      if (tid == 0) t.scratch[TS_COUNTERS + (d + 2) % 3] = 0;  // level d - 1's, read by all
       if (total == 0) break;
       lb = le;
       le += total;
@@ -394,6 +524,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     if (restart) continue;
     if (guess && le - 1 < budget) {  // the guess was too high
       if (++raises > TS_MAX_RAISES) return -1;
+      KD_BARRIER();
+      if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
       hi = tau;
       tau = lo + (hi - lo) / 2;
       if (!(tau > lo && tau < hi)) return -1;
@@ -407,22 +539,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
   // Keys (over the dead lp), then the sort of the m candidates.
   for (int i = 1 + tid; i < nS; i += nthreads) write_key(t, i);
-  int P = 1;
-  while (P < m) P <<= 1;
-  for (int i = tid; i < P; i += nthreads)
-    t.items[i] = i < m ? SortItem{t.score[i + 1], i + 1, 0} : SortItem{-INFINITY, cap + i, 0};
   KD_BARRIER();
   KD_PROF(3);
-  for (int k = 2; k <= P; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int q = tid; q < P / 2; q += nthreads) {
-        const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i | j;
-        const SortItem a = t.items[i], b = t.items[l];
-        if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
-      }
-      KD_BARRIER();
-    }
-  }
+  sort_items(t, m, tid, nthreads);
   KD_PROF(4);
   // Pop index of every selected node; refuse if a sum was inexact or a parent is missing.
   bool bad = false;
