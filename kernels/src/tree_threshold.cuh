@@ -239,8 +239,16 @@ KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid
     KD_BARRIER();
     for (int i = 1 + tid; i < m; i += nthreads) {
       const unsigned long long u = order_key(t.score[i]);
-      if (shift == 56 || (u >> (shift + 8)) == (prefix >> (shift + 8)))
-        smem_add(&hist[(u >> shift) & 0xff], 1);
+      const bool in = shift == 56 || (u >> (shift + 8)) == (prefix >> (shift + 8));
+      const int bin = (int)((u >> shift) & 0xff);
+#ifdef __CUDA_ARCH__
+      // Scores crowd into a few bins: one atomic per distinct bin of the warp, not per lane.
+      const unsigned active = __activemask();
+      const unsigned peers = __match_any_sync(active, in ? bin : -1);
+      if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#else
+      if (in) smem_add(&hist[bin], 1);
+#endif
     }
     KD_BARRIER();
     radix_pick(hist, need, pick, tid);
