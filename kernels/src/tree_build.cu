@@ -15,7 +15,7 @@
 namespace kd {
 namespace {
 
-constexpr int BUILD_THREADS = 512;   // blocks of 256 up to D = 257, 512 above
+constexpr int BUILD_THREADS = 512;
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
 constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs (loop mode)
 
@@ -303,7 +303,7 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   const size_t vis_bytes = (size_t)D * kd::ceil_div(D, 32) * sizeof(uint32_t);
   const int vis_smem = (visibility || visibility_bits) && vis_bytes <= room;
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
-  const int threads = D > 257 ? kd::BUILD_THREADS : kd::BUILD_THREADS / 2;
+  const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
   kd::build_trees_kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
       parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
