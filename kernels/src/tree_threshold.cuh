@@ -62,6 +62,7 @@ KD_HD int ts_capacity(int budget) {
 
 struct SortItem {
   double score;
+  uint64_t k0;  // first word of the path key: most ties are settled in registers
   int idx;
   int pad;
 };
@@ -83,7 +84,7 @@ struct Threshold {
 KD_HD size_t ts_smem_bytes(int L, int ld, int cap) {
   const size_t lp = (size_t)L * ld * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
   const size_t a = ((lp > keys ? lp : keys) + 15) & ~(size_t)15;
-  return a + (size_t)cap * (8 + 4 + 16) + (size_t)(cap + 1) * 4 + TS_SCRATCH_INTS * 4 + 16;
+  return a + (size_t)cap * (sizeof(SortItem) + 8 + 4) + (size_t)(cap + 1) * 4 + TS_SCRATCH_INTS * 4 + 16;
 }
 
 // Carve the views out of one 16-byte aligned block.
@@ -94,10 +95,11 @@ KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   t.lp = reinterpret_cast<float*>(base);
   t.keys = reinterpret_cast<uint64_t*>(base);
   t.items = reinterpret_cast<SortItem*>(base + a);
-  t.score = reinterpret_cast<double*>(base + a + (size_t)cap * 16);
-  t.minkey = reinterpret_cast<unsigned long long*>(base + a + (size_t)cap * 24);
-  t.meta = reinterpret_cast<uint32_t*>(base + a + (size_t)cap * 24 + 16);
-  t.pos = reinterpret_cast<int*>(base + a + (size_t)cap * 28 + 16);
+  const size_t sc = a + (size_t)cap * sizeof(SortItem);
+  t.score = reinterpret_cast<double*>(base + sc);
+  t.minkey = reinterpret_cast<unsigned long long*>(base + sc + (size_t)cap * 8);
+  t.meta = reinterpret_cast<uint32_t*>(base + sc + (size_t)cap * 8 + 16);
+  t.pos = reinterpret_cast<int*>(base + sc + (size_t)cap * 12 + 16);
   t.scratch = t.pos + cap + 1;
   t.ld = ld;
   t.cap = cap;
@@ -287,7 +289,7 @@ KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int
     if (t.score[i] >= tau) {
       const uint32_t m = t.meta[i];
       const int p = i == 0 ? 0 : t.pos[ts_parent(m)];
-      t.items[t.pos[i]] = SortItem{t.score[i], (int)ts_meta(p, ts_rank(m), ts_depth(m), ts_inexact(m)), 0};
+      t.items[t.pos[i]] = SortItem{t.score[i], 0, (int)ts_meta(p, ts_rank(m), ts_depth(m), ts_inexact(m)), 0};
     }
   }
   const int new_lb = *lb < end ? t.pos[*lb] : kept;
@@ -384,8 +386,9 @@ KD_HD void write_key(const Threshold& t, int i) {
 // The spec's order: higher score, then the smaller rank path. Pads (idx >= cap) last.
 KD_HD bool item_better(const Threshold& t, const SortItem& a, const SortItem& b) {
   if (a.score != b.score) return a.score > b.score;
+  if (a.k0 != b.k0) return a.k0 < b.k0;
   if (a.idx >= t.cap || b.idx >= t.cap) return a.idx < b.idx;
-  for (int w = 0; w < KEY_WORDS; ++w) {
+  for (int w = 1; w < KEY_WORDS; ++w) {
     const uint64_t ka = t.keys[(size_t)a.idx * KEY_WORDS + w], kb = t.keys[(size_t)b.idx * KEY_WORDS + w];
     if (ka != kb) return ka < kb;
   }
@@ -418,7 +421,8 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
 #pragma unroll
   for (int s = 0; s < TS_SORT_SLOTS; ++s) {
     const int e = s * nthreads + tid;
-    it[s] = e < m ? SortItem{t.score[e + 1], e + 1, 0} : SortItem{-INFINITY, cap + e, 0};
+    it[s] = e < m ? SortItem{t.score[e + 1], t.keys[(size_t)(e + 1) * KEY_WORDS], e + 1, 0}
+                  : SortItem{-INFINITY, 0, cap + e, 0};
   }
   for (int k = 2; k <= P; k <<= 1) {
     int j = k >> 1;
@@ -439,6 +443,7 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
         const int e = s * nthreads + tid;
         SortItem o;
         o.score = __shfl_xor_sync(FULL_MASK, it[s].score, j);
+        o.k0 = __shfl_xor_sync(FULL_MASK, it[s].k0, j);
         o.idx = __shfl_xor_sync(FULL_MASK, it[s].idx, j);
         const bool take_better = ((e & j) == 0) == ((e & k) == 0);
         if (e < P && item_better(t, o, it[s]) == take_better) it[s] = o;
@@ -454,7 +459,8 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   int P = 1;
   while (P < m) P <<= 1;
   for (int i = tid; i < P; ++i)
-    t.items[i] = i < m ? SortItem{t.score[i + 1], i + 1, 0} : SortItem{-INFINITY, cap + i, 0};
+    t.items[i] = i < m ? SortItem{t.score[i + 1], t.keys[(size_t)(i + 1) * KEY_WORDS], i + 1, 0}
+                       : SortItem{-INFINITY, 0, cap + i, 0};
   for (int k = 2; k <= P; k <<= 1)
     for (int j = k >> 1; j > 0; j >>= 1)
       for (int q = 0; q < P / 2; ++q) {
