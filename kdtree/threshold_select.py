@@ -1,5 +1,7 @@
-"""Tree selection by threshold: the parallel form of the best-first build, planned for the
-GPU kernel's next version (kernels/NOTES.md), here in plain Python as its reference.
+"""Tree selection by threshold: the parallel form of the best-first build, in plain Python as
+the reference of the GPU kernel's selection (kernels/src/tree_threshold.cuh; kernels/NOTES.md).
+The kernel finds tau differently (it raises tau from the nodes it has materialised instead of
+restarting a bisection), which the proof below does not depend on.
 
 Certificate: per depth, the first Keff log-probs are non-increasing and <= 0 (after the -inf
 clamp), and every selected node's score ``parent + lp`` is exact in float64 (TwoSum error 0).

@@ -1,5 +1,5 @@
-"""The threshold selection (plan of the next GPU tree build) against the heap build: equal
-wherever it claims a result, and it claims one on most realistic inputs."""
+"""The threshold selection (Python reference of the GPU build's selection) against the heap
+build: equal wherever it claims a result, and it claims one on most realistic inputs."""
 import numpy as np
 import pytest
 
