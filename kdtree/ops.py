@@ -46,8 +46,9 @@ def lib() -> ctypes.CDLL:
     so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
     so.kd_verify_tile.argtypes = [_I] + [ctypes.POINTER(_I)] * 3
     so.kd_build_set_smem_limit.argtypes = [_I]
+    so.kd_verify_set_path.argtypes = [_I]
     for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile,
-              so.kd_build_set_smem_limit):
+              so.kd_build_set_smem_limit, so.kd_verify_set_path):
         f.restype = _I
     return so
 
@@ -210,6 +211,25 @@ def _device_facts(index: int, R: int):
                "kd_verify_tile")
     sms = torch.cuda.get_device_properties(index).multi_processor_count
     return rows.value, keys.value, sms * max(1, per_sm.value)
+
+
+VERIFY_PATHS = ("auto", "mma_sync")
+
+
+def set_verify_path(path: str) -> str:
+    """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere) or "mma_sync"
+    (the kernel other GPUs run, also on Hopper: for tests). Returns the previous setting."""
+    if path not in VERIFY_PATHS:
+        raise InputError(f"path: expected one of {VERIFY_PATHS}, got {path!r}")
+    old = lib().kd_verify_set_path(VERIFY_PATHS.index(path))
+    _device_facts.cache_clear()  # the tile (and so the split) follows the path
+    return VERIFY_PATHS[old]
+
+
+def verify_kernel(R: int, device) -> str:
+    """Which verify kernel runs for R query rows on `device` now: "wgmma" or "mma_sync"."""
+    rows, keys, _ = _device_facts(torch.device(device).index or 0, R)
+    return "wgmma" if keys == 64 else "mma_sync"
 
 
 def choose_splits(B: int, R: int, max_seq: int, device) -> int:

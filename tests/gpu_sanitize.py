@@ -22,7 +22,8 @@ def main():
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
-    for splits in (1, 3):
+    for path, splits in (("auto", 1), ("auto", 3), ("mma_sync", 1), ("mma_sync", 3)):
+        ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility, 0.130861, num_splits=splits)
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,

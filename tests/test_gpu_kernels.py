@@ -300,20 +300,42 @@ ATTN_GRID = [
 ]
 
 
+@pytest.fixture(params=["auto", "mma_sync"])
+def verify_path(request, ops):
+    """Both verify kernels: "auto" is wgmma on Hopper (rows > 32), "mma_sync" the kernel
+    every other GPU runs (sm_120 among them), forced here so the H200 tests it too."""
+    old = ops.set_verify_path(request.param)
+    yield request.param
+    ops.set_verify_path(old)
+
+
+def test_hopper_dispatches_to_wgmma(ops):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma path: Hopper (sm_90) only")
+    old = ops.set_verify_path("auto")
+    try:
+        assert ops._device_facts(0, 257 * 8)[:2] == (64, 64)    # the wgmma tile
+        assert ops._device_facts(0, 8)[:2] == (16, 32)          # small trees: mma.sync
+        ops.set_verify_path("mma_sync")
+        assert ops._device_facts(0, 257 * 8)[:2] == (64, 32)
+    finally:
+        ops.set_verify_path(old)
+
+
 @pytest.mark.parametrize("prefixes,D,H,page", ATTN_GRID)
-def test_verify_attention_matches_reference(ops, prefixes, D, H, page):
+def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, page):
     case = paged_case(prefixes, D, H, page, seed=D * 7 + H + page, device=DEV)
     check_attention(ops, case)
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 128])
 @pytest.mark.parametrize("bits", [False, True])
-def test_verify_attention_splits_and_bitmask(ops, num_splits, bits):
+def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits):
     case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
     check_attention(ops, case, num_splits=num_splits, bits=bits)
 
 
-def test_verify_attention_with_built_tree_mask(ops):
+def test_verify_attention_with_built_tree_mask(ops, verify_path):
     budgets = np.array([63, 10, 1, 63])
     tb = build_trees(*stage_a_inputs(4, 15, 1000, 63, seed=3), budgets)
     case = paged_case([100, 2000, 0, 64], tb.D, 16, 1, seed=4, visibility=tb.visibility, device=DEV)

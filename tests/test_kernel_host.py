@@ -66,7 +66,7 @@ def assert_threshold_equals_heap(lib, lp, ids, budget):
 
 def test_library_exports_the_c_abi(lib):
     for name in ("kd_build_trees", "kd_tree_accept", "kd_verify_attention", "kd_verify_tile",
-                 "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
+                 "kd_verify_set_path", "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
         assert hasattr(lib, name)
 
 
@@ -96,10 +96,20 @@ def test_generated_ninja_file(tmp_path):
     assert "-gencode=arch=compute_90,code=compute_90" in text
     assert "deps = gcc" in text
     for src in kbuild.sources():
-        assert f"obj/{src.stem}.o" in text
+        assert f"obj/{src.relative_to(kbuild.KERNELS / 'src').with_suffix('.o').as_posix()}" in text
+    # The Hopper folder is built for sm_90a alone, and the host code is told it exists.
+    assert "build obj/sm90/verify_attention_wgmma.o: cu" in text
+    assert "  gencode = -gencode=arch=compute_90a,code=sm_90a\n" in text
+    assert "-DKD_HAS_SM90A" in text
     mtime = path.stat().st_mtime_ns
     kbuild.write_build_ninja(tmp_path, archs=("sm_90a", "compute_90"), nvcc="nvcc")
     assert path.stat().st_mtime_ns == mtime   # unchanged config: ninja sees nothing new
+
+
+def test_build_without_hopper_leaves_its_folder_out(tmp_path):
+    text = kbuild.write_build_ninja(tmp_path, archs=("sm_120",), nvcc="nvcc").read_text()
+    assert "sm90/" not in text and "KD_HAS_SM90A" not in text
+    assert "obj/verify_attention.o" in text
 
 
 def test_bad_arch_is_named():

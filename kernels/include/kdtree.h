@@ -65,6 +65,11 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
 // that fit one SM, for sizing splits on the host.
 int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm);
 
+// Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
+// sm_90a, mma.sync elsewhere), 1 = the mma.sync kernel everywhere (so a Hopper GPU tests
+// the path other GPUs take). Returns the previous setting, -1 for another value.
+int kd_verify_set_path(int path);
+
 #ifdef __cplusplus
 }
 #endif

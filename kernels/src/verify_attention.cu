@@ -15,6 +15,7 @@
 // One __syncthreads per key tile. With one split the CTA writes out/lse; with several
 // it writes float32 partials that the combine kernel at the end of this file merges.
 #include "mma.cuh"
+#include "verify_common.cuh"
 
 namespace kd {
 namespace {
@@ -23,8 +24,6 @@ constexpr int LD = QK_DIM + 8;      // padded row stride (elements): conflict-fr
 constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
 constexpr int KEYS = 32;            // keys per shared-memory tile (16 per warp in S = QK^T)
 constexpr int PLD = KEYS + 8;       // P row stride
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float LN2 = 0.6931471805599453f;
 
 // SW warp pairs (16 query rows each), a ring of STAGES key tiles.
 template <int SW_, int STAGES_>
@@ -45,29 +44,7 @@ using Tile64 = Tile<4, 3>;
 using Tile32 = Tile<2, 3>;
 using Tile16 = Tile<1, 2>;
 
-struct Params {
-  const __nv_bfloat16* q;
-  const __nv_bfloat16* kv;
-  const int32_t* block_table;
-  const int32_t* seq_lens;
-  const void* vis;
-  int vis_bits;
-  int D, H, R, page_size, page_shift, max_pages, num_splits;  // page_shift: log2 or -1
-  float scale_log2;  // softmax scale * log2(e)
-  __nv_bfloat16* out;
-  float* lse;
-  float* part_out;
-  float* part_lse;
-};
-
-__device__ __forceinline__ bool visible(const Params& p, int b, int i, int j) {
-  if (p.vis_bits) {
-    const int W = (p.D + 31) >> 5;
-    const int32_t* w = static_cast<const int32_t*>(p.vis) + ((size_t)b * p.D + i) * W;
-    return (w[j >> 5] >> (j & 31)) & 1;
-  }
-  return static_cast<const uint8_t*>(p.vis)[((size_t)b * p.D + i) * p.D + j] != 0;
-}
+using Params = VerifyParams;
 
 // The two warps of a pair meet here (ids 1..SW; 0 is __syncthreads).
 __device__ __forceinline__ void pair_barrier(int pair) {
@@ -92,9 +69,7 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* tab
   if (lane < RW) {
     const int pos = k0 + r0 + lane;
     if (pos < end) {
-      const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
-      const int off = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
-      row_off = ((size_t)page * p.page_size + off) * QK_DIM;
+      row_off = cache_row(p, table, pos);
       row_ok = 1;
     }
   }
@@ -124,9 +99,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int qrow = pair * 16;          // the pair's 16 rows within the tile
   const int col0 = half * 256;         // this warp's output columns
   const int key0 = half * 16;          // this warp's keys within a tile, for S
-  // Clamped to the block table so a bad length cannot read past it (the host cannot check
-  // device-side lengths without a sync; the Python reference rejects them).
-  const int seq = min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
+  const int seq = clamped_seq_len(p, b);
   const int P = seq - p.D;  // prefix length; tree slots sit at positions P .. seq-1
   const int32_t* table = p.block_table + (size_t)b * p.max_pages;
 
@@ -350,23 +323,34 @@ verify_combine_kernel(const float* __restrict__ part_out, const float* __restric
 namespace kd {
 namespace {
 
-// The tile for R query rows on this device: the fewest rows that cover R (no idle
+// The tile for R query rows on this device: the wgmma kernel on Hopper (sm_90a in the
+// build) for more than 32 rows; otherwise the fewest mma.sync rows that cover R (no idle
 // warps on small trees), as far as the device's shared memory per block allows.
-enum class TileKind { T64, T32, T16 };
+enum class TileKind { WGMMA, T64, T32, T16 };
+
+int g_verify_path = 0;  // 0: auto; 1: mma.sync only (kd_verify_set_path, for tests)
 
 int pick_tile(int R, TileKind* kind) {
-  int dev = 0, optin = 0;
+  int dev = 0, optin = 0, major = 0, minor = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
   if (e != cudaSuccess) return (int)e;
   const size_t room = (size_t)optin;
-  if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
+  bool wgmma = false;
+#ifdef KD_HAS_SM90A
+  wgmma = g_verify_path == 0 && major == 9 && minor == 0 && R > 32 && room >= verify_wgmma_smem_bytes();
+#endif
+  if (wgmma) *kind = TileKind::WGMMA;
+  else if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
   else if (R > 16 && room >= Tile32::SMEM_BYTES) *kind = TileKind::T32;
   else *kind = TileKind::T16;
   return 0;
 }
 
 int tile_rows(TileKind k) {
+  if (k == TileKind::WGMMA) return WGMMA_ROWS;
   return k == TileKind::T64 ? Tile64::ROWS : k == TileKind::T32 ? Tile32::ROWS : Tile16::ROWS;
 }
 
@@ -401,13 +385,21 @@ extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int*
   int err = kd::pick_tile(R, &kind);
   if (err) return err;
   *rows_per_cta = kd::tile_rows(kind);
-  *keys_per_tile = kd::KEYS;
+  *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
   switch (kind) {
+    case kd::TileKind::WGMMA: *ctas_per_sm = 1; break;  // 226 KB of shared memory a CTA
     case kd::TileKind::T64: err = kd::ctas_per_sm<kd::Tile64>(ctas_per_sm); break;
     case kd::TileKind::T32: err = kd::ctas_per_sm<kd::Tile32>(ctas_per_sm); break;
     default: err = kd::ctas_per_sm<kd::Tile16>(ctas_per_sm); break;
   }
   return err;
+}
+
+extern "C" int kd_verify_set_path(int path) {
+  if (path != 0 && path != 1) return -1;
+  const int old = kd::g_verify_path;
+  kd::g_verify_path = path;
+  return old;
 }
 
 extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
@@ -440,6 +432,9 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   int rc = kd::pick_tile(p.R, &kind);
   if (rc) return rc;
   switch (kind) {
+#ifdef KD_HAS_SM90A
+    case kd::TileKind::WGMMA: rc = kd::launch_verify_wgmma(p, B, st); break;
+#endif
     case kd::TileKind::T64: rc = kd::launch<kd::Tile64>(p, B, st); break;
     case kd::TileKind::T32: rc = kd::launch<kd::Tile32>(p, B, st); break;
     default: rc = kd::launch<kd::Tile16>(p, B, st); break;

@@ -1,0 +1,249 @@
+// Tree-verify attention on Hopper tensor cores (wgmma; this file is built for sm_90a only).
+//
+// Same contract as the mma.sync kernel in ../verify_attention.cu (one CTA = 64 query rows
+// of one request x one split of its keys, online softmax in float32, partials for the
+// combine kernel), but the operands stay in shared memory: wgmma reads Q, the key tile
+// and P straight from 128-byte-swizzled tiles, so no ldmatrix traffic through registers
+// (the mma.sync kernel's limit, kernels/NOTES.md). Two warpgroups share the 64 rows:
+//   S = Q K^T:  warpgroup w takes keys 32w..32w+31 of the 64-key tile (m64n32k16 x 36);
+//   softmax:    row maxima swapped through shared memory, so both use the same max;
+//   O += P V:   warpgroup w owns value columns 256w..256w+255 (m64n256k16 x 4, P from
+//               shared memory, V = the key tile read MN-major: no copy, no transpose).
+// Tiles: [9 column blocks][rows][64 bf16] with 128-byte rows, the 16-byte chunk index
+// XOR-ed with row % 8 (the canonical SW128 layout; bases on 1024-byte boundaries).
+#include "../mma.cuh"
+#include "../verify_common.cuh"
+#include "wgmma.cuh"
+
+namespace kd {
+namespace {
+
+constexpr int ROWS = WGMMA_ROWS;           // one wgmma M
+constexpr int KEYS = WGMMA_KEYS;
+constexpr int THREADS = 256;               // two warpgroups
+constexpr int CHUNKS = QK_DIM / 8;         // 16-byte chunks per cache row (72)
+constexpr int BLOCK_BYTES = 128;           // one swizzled row: 64 bf16
+constexpr int Q_BYTES = QK_DIM / 64 * ROWS * BLOCK_BYTES;   // 73,728
+constexpr int KV_BYTES = QK_DIM / 64 * KEYS * BLOCK_BYTES;  // 73,728
+constexpr int P_BYTES = ROWS * KEYS * 2;                    // 8,192
+constexpr int STAGES = 2;
+constexpr size_t SMEM_BYTES = 1024 /* alignment slack */ + Q_BYTES + STAGES * KV_BYTES + P_BYTES +
+                              4 * ROWS * sizeof(float);     // 231,424 of Hopper's 232,448
+
+// Byte offset of 16-byte chunk `chunk` (0..71) of row `row` in a swizzled tile of `rows`.
+__device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
+  return (chunk >> 3) * rows * BLOCK_BYTES + row * BLOCK_BYTES + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// Keys [k0, k0 + 64) of request b into a swizzled tile; rows at or past `end` zero-filled
+// (no NaN from unused pages can reach P*V). Warp w takes rows 8w..8w+7: its first 8
+// lanes look their pages up at once, then the warp walks 8 x 72 chunks in 32-lane steps.
+__device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* table, int k0, int end,
+                                          uint32_t tile) {
+  const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * 8;
+  size_t row_off = 0;
+  int row_ok = 0;
+  if (lane < 8 && k0 + r0 + lane < end) {
+    row_off = cache_row(p, table, k0 + r0 + lane);
+    row_ok = 1;
+  }
+#pragma unroll
+  for (int q = lane; q < 8 * CHUNKS; q += 32) {
+    const int r = q / CHUNKS, c = q - r * CHUNKS;
+    const size_t off = __shfl_sync(0xffffffffu, row_off, r);
+    const int ok = __shfl_sync(0xffffffffu, row_ok, r);
+    cp_async16_s(tile + sw128_offset(KEYS, r0 + r, c), ok ? p.kv + off + c * 8 : p.kv, ok ? 16 : 0);
+  }
+}
+
+__global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(VerifyParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t sQ = (raw + 1023) & ~1023u;  // swizzle atoms repeat every 1024 bytes
+  const uint32_t sKV = sQ + Q_BYTES, sP = sKV + STAGES * KV_BYTES;
+  unsigned char* gP = smem_raw + (sP - raw);
+  float* sMax = reinterpret_cast<float*>(gP + P_BYTES);  // [warpgroup][row]
+  float* sSum = sMax + 2 * ROWS;
+
+  const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2;               // keys 32wg.. of S; value columns 256wg.. of O
+  const int g = lane >> 2, t = lane & 3;
+  const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
+  const int seq = clamped_seq_len(p, b);
+  const int P = seq - p.D;  // prefix length; tree slots sit at positions P .. seq-1
+  const int32_t* table = p.block_table + (size_t)b * p.max_pages;
+
+  const int tiles_total = ceil_div(seq, KEYS);
+  const int tiles_per = ceil_div(tiles_total, p.num_splits);
+  const int k_begin = split * tiles_per * KEYS;
+  const int k_end = min(seq, k_begin + tiles_per * KEYS);
+  const int ntiles = k_end > k_begin ? ceil_div(k_end - k_begin, KEYS) : 0;
+
+  // Q (rows past R zero-filled) rides in the first group with key tile 0.
+  for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, ch = c - r * CHUNKS;
+    const bool ok = m0 + r < p.R;
+    const __nv_bfloat16* src = ok ? p.q + ((size_t)b * p.R + m0 + r) * QK_DIM + ch * 8 : p.q;
+    cp_async16_s(sQ + sw128_offset(ROWS, r, ch), src, ok ? 16 : 0);
+  }
+  if (ntiles > 0) load_keys(p, table, k_begin, k_end, sKV);
+  cp_async_commit();
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this warpgroup's keys
+  const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
+
+  for (int it = 0; it < ntiles; ++it) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();  // tile `it` landed; every warp is done with tile it-1 and with P
+    const uint32_t sK = sKV + (it & 1) * KV_BYTES;
+
+    // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+      const uint32_t col = (kk >> 2), step = (kk & 3) * 32;
+      const uint64_t da = sw128_desc(sQ + col * ROWS * BLOCK_BYTES + step, 16, 1024);
+      const uint64_t db = sw128_desc(sK + col * KEYS * BLOCK_BYTES + wg * 32 * BLOCK_BYTES + step, 16, 1024);
+      wgmma_m64n32k16(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+    // The next tile streams in while the tensor cores work (its slot held tile it-1).
+    if (it + 1 < ntiles) load_keys(p, table, k_begin + (it + 1) * KEYS, k_end, sKV + ((it + 1) & 1) * KV_BYTES);
+    cp_async_commit();
+    wgmma_wait<0>();
+    reg_fence(s);
+
+    // Scale into the log2 domain and mask (keys past the range; tree keys the slot does
+    // not see), then the row maxima of both warpgroups.
+    const int k0 = k_begin + it * KEYS + wg * 32;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + j * 8 + 2 * t + (e & 1);
+        const int slot = e < 2 ? slot0 : slot1;
+        bool ok = key < k_end;
+        if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
+        s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    }
+    if (t == 0) { sMax[wg * ROWS + rbase + g] = mx[0]; sMax[wg * ROWS + rbase + g + 8] = mx[1]; }
+    __syncthreads();
+    float alpha[2], msafe[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float other = sMax[(wg ^ 1) * ROWS + rbase + g + 8 * h];
+      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));  // the same in both warpgroups
+      msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
+      alpha[h] = exp2f(m_run[h] - msafe[h]);
+      m_run[h] = m_new;
+    }
+    // P (bf16) into its swizzled tile: row r, keys 32wg + 8j + 2t (+1) -> chunk 4wg + j.
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float p0 = exp2f(s[4 * j] - msafe[0]), p1 = exp2f(s[4 * j + 1] - msafe[0]);
+      const float p2 = exp2f(s[4 * j + 2] - msafe[1]), p3 = exp2f(s[4 * j + 3] - msafe[1]);
+      sum[0] += p0 + p1;
+      sum[1] += p2 + p3;
+      const int chunk = wg * 4 + j, r = rbase + g;
+      *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((chunk ^ (r & 7)) << 4) + 4 * t) = pack_bf16(p0, p1);
+      *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((chunk ^ ((r + 8) & 7)) << 4) + 4 * t) =
+          pack_bf16(p2, p3);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+      l_run[h] = l_run[h] * alpha[h] + sum[h];
+    }
+    // Rescale O only when a row maximum moved somewhere in the warp (x1.0 is exact).
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+      }
+    }
+    fence_proxy_async();
+    __syncthreads();  // both halves of P are in shared memory
+
+    // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
+    // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) {
+      const uint64_t da = sw128_desc(sP + kk * 32, 16, 1024);
+      const uint64_t db = sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
+                                     KEYS * BLOCK_BYTES, 1024);
+      wgmma_m64n256k16_bt(o, da, db);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    reg_fence(o);
+  }
+  cp_async_wait<0>();
+
+  // Row sums: this warpgroup's keys plus the other's.
+  if (t == 0) { sSum[wg * ROWS + rbase + g] = l_run[0]; sSum[wg * ROWS + rbase + g + 8] = l_run[1]; }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  const int col0 = wg * 256;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = rbase + g + 8 * h;
+    const int row = m0 + r;
+    if (row >= p.R) continue;
+    const float l = sSum[r] + sSum[ROWS + r], m = m_run[h];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
+    if (direct) {
+      __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + col0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (wg == 0 && t == 0) p.lse[(size_t)b * p.R + row] = lse;
+    } else {
+      const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
+      float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
+      if (wg == 0 && t == 0) p.part_lse[prow] = lse;
+    }
+  }
+#else
+  __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
+#endif
+}
+
+}  // namespace
+
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st) {
+  cudaError_t e = cudaFuncSetAttribute(verify_attention_wgmma_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+  if (e != cudaSuccess) return (int)e;
+  dim3 grid(ceil_div(p.R, ROWS), p.num_splits, B);
+  verify_attention_wgmma_kernel<<<grid, THREADS, SMEM_BYTES, st>>>(p);
+  KD_LAUNCH_CHECK();
+  return 0;
+}
+
+size_t verify_wgmma_smem_bytes() { return SMEM_BYTES; }
+
+}  // namespace kd

@@ -1,0 +1,60 @@
+// What the two tree-verify attention kernels share: their parameters, the tree mask
+// lookup and the epilogue's LSE convention (spec verify_attention.md). The mma.sync
+// kernel (verify_attention.cu, every arch) and the wgmma kernel (sm90/, Hopper only)
+// both take a tile of query rows of one request and one split of its keys.
+#pragma once
+#include <cuda_runtime.h>
+#include "common.cuh"
+
+namespace kd {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
+struct VerifyParams {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* kv;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  const void* vis;
+  int vis_bits;
+  int D, H, R, page_size, page_shift, max_pages, num_splits;  // page_shift: log2 or -1
+  float scale_log2;  // softmax scale * log2(e)
+  __nv_bfloat16* out;
+  float* lse;
+  float* part_out;
+  float* part_lse;
+};
+
+// Tree slot i sees tree slot j (ancestors and itself).
+__device__ __forceinline__ bool visible(const VerifyParams& p, int b, int i, int j) {
+  if (p.vis_bits) {
+    const int W = (p.D + 31) >> 5;
+    const int32_t* w = static_cast<const int32_t*>(p.vis) + ((size_t)b * p.D + i) * W;
+    return (w[j >> 5] >> (j & 31)) & 1;
+  }
+  return static_cast<const uint8_t*>(p.vis)[((size_t)b * p.D + i) * p.D + j] != 0;
+}
+
+// Request b's key count, clamped to its block table so a bad length cannot read past it
+// (the host cannot check device-side lengths without a sync; the Python reference
+// rejects them).
+__device__ __forceinline__ int clamped_seq_len(const VerifyParams& p, int b) {
+  return min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
+}
+
+// Element offset of key `pos` of a request in the paged cache.
+__device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t* table, int pos) {
+  const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
+  const int off = p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size;
+  return ((size_t)page * p.page_size + off) * QK_DIM;
+}
+
+// The wgmma kernel's launcher (sm90/verify_attention_wgmma.cu; built only with sm_90a).
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st);
+size_t verify_wgmma_smem_bytes();
+// Its tile: query rows per CTA and keys per shared-memory tile.
+constexpr int WGMMA_ROWS = 64;
+constexpr int WGMMA_KEYS = 64;
+
+}  // namespace kd
