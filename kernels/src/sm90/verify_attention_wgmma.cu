@@ -4,13 +4,15 @@
 // of one request x one split of its keys, online softmax in float32, partials for the
 // combine kernel), but the operands stay in shared memory: wgmma reads Q, the key tile
 // and P straight from 128-byte-swizzled tiles, so no ldmatrix traffic through registers
-// (the mma.sync kernel's limit, kernels/NOTES.md). Two warpgroups share the 64 rows:
-//   S = Q K^T:  warpgroup w takes keys 32w..32w+31 of the 64-key tile (m64n32k16 x 36);
-//   softmax:    row maxima swapped through shared memory, so both use the same max;
-//   O += P V:   warpgroup w owns value columns 256w..256w+255 (m64n256k16 x 4, P from
-//               shared memory, V = the key tile read MN-major: no copy, no transpose).
-// Tiles: [9 column blocks][rows][64 bf16] with 128-byte rows, the 16-byte chunk index
-// XOR-ed with row % 8 (the canonical SW128 layout; bases on 1024-byte boundaries).
+// (the mma.sync kernel's limit, kernels/NOTES.md). The two warpgroups have roles:
+//   warpgroup 0: S = Q K^T for all 64 keys of the tile (m64n64k16 x 36) and the softmax
+//                (whole rows in its registers: no max exchange), P and the rescale
+//                factors to shared memory;
+//   warpgroup 1: streams the next key tile in meanwhile (cp.async);
+//   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
+//                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
+// Two barriers a tile. Tiles: [9 column blocks][rows][64 bf16] with 128-byte rows, the
+// 16-byte chunk index XOR-ed with row % 8 (the canonical SW128 layout; 1024-byte bases).
 #include "../mma.cuh"
 #include "../verify_common.cuh"
 #include "wgmma.cuh"
@@ -35,24 +37,31 @@ __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
   return (chunk >> 3) * rows * BLOCK_BYTES + row * BLOCK_BYTES + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
-// Keys [k0, k0 + 64) of request b into a swizzled tile; rows at or past `end` zero-filled
-// (no NaN from unused pages can reach P*V). Warp w takes rows 8w..8w+7: its first 8
-// lanes look their pages up at once, then the warp walks 8 x 72 chunks in 32-lane steps.
+// Keys [k0, k0 + 64) of request b into a swizzled tile, by warpgroup 1; rows at or past
+// `end` zero-filled (no NaN from unused pages can reach P*V). Its warp w takes rows
+// 16w..16w+15: the first 16 lanes look their pages up at once, then per row lane l copies
+// chunks l, l + 32 and (l < 8) l + 64, so the swizzle is a compile-time XOR per row.
 __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* table, int k0, int end,
-                                          uint32_t tile) {
-  const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * 8;
+                                          uint32_t tile, int w) {
+  const int lane = threadIdx.x & 31, r0 = w * 16;
   size_t row_off = 0;
   int row_ok = 0;
-  if (lane < 8 && k0 + r0 + lane < end) {
+  if (lane < 16 && k0 + r0 + lane < end) {
     row_off = cache_row(p, table, k0 + r0 + lane);
     row_ok = 1;
   }
 #pragma unroll
-  for (int q = lane; q < 8 * CHUNKS; q += 32) {
-    const int r = q / CHUNKS, c = q - r * CHUNKS;
+  for (int r = 0; r < 16; ++r) {
     const size_t off = __shfl_sync(0xffffffffu, row_off, r);
-    const int ok = __shfl_sync(0xffffffffu, row_ok, r);
-    cp_async16_s(tile + sw128_offset(KEYS, r0 + r, c), ok ? p.kv + off + c * 8 : p.kv, ok ? 16 : 0);
+    const int bytes = __shfl_sync(0xffffffffu, row_ok, r) ? 16 : 0;
+    const __nv_bfloat16* src = p.kv + off + lane * 8;
+    const uint32_t dst = tile + (r0 + r) * BLOCK_BYTES;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lane + 32 * i;  // (r0 + r) % 8 == r % 8
+      if (i < 2 || lane < 8)
+        cp_async16_s(dst + (c >> 3) * KEYS * BLOCK_BYTES + (((c & 7) ^ (r & 7)) << 4), src + 32 * 8 * i, bytes);
+    }
   }
 }
 
@@ -63,12 +72,13 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   const uint32_t sQ = (raw + 1023) & ~1023u;  // swizzle atoms repeat every 1024 bytes
   const uint32_t sKV = sQ + Q_BYTES, sP = sKV + STAGES * KV_BYTES;
   unsigned char* gP = smem_raw + (sP - raw);
-  float* sMax = reinterpret_cast<float*>(gP + P_BYTES);  // [warpgroup][row]
-  float* sSum = sMax + 2 * ROWS;
+  float* sAlpha = reinterpret_cast<float*>(gP + P_BYTES);  // per row, this tile's rescale
+  float* sL = sAlpha + ROWS;                                // per row, at the end: sum, max
+  float* sM = sL + ROWS;
 
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wg = warp >> 2;               // keys 32wg.. of S; value columns 256wg.. of O
+  const int wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
   const int seq = clamped_seq_len(p, b);
@@ -80,21 +90,22 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   const int k_begin = split * tiles_per * KEYS;
   const int k_end = min(seq, k_begin + tiles_per * KEYS);
   const int ntiles = k_end > k_begin ? ceil_div(k_end - k_begin, KEYS) : 0;
+  const int unmasked_end = min(P, k_end);  // keys below this need no mask
 
-  // Q (rows past R zero-filled) rides in the first group with key tile 0.
+  // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
     const int r = c / CHUNKS, ch = c - r * CHUNKS;
     const bool ok = m0 + r < p.R;
     const __nv_bfloat16* src = ok ? p.q + ((size_t)b * p.R + m0 + r) * QK_DIM + ch * 8 : p.q;
     cp_async16_s(sQ + sw128_offset(ROWS, r, ch), src, ok ? 16 : 0);
   }
-  if (ntiles > 0) load_keys(p, table, k_begin, k_end, sKV);
+  if (wg == 1 && ntiles > 0) load_keys(p, table, k_begin, k_end, sKV, warp - 4);
   cp_async_commit();
 
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this warpgroup's keys
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0's rows
   const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
 
   for (int it = 0; it < ntiles; ++it) {
@@ -102,76 +113,82 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
     fence_proxy_async();
     __syncthreads();  // tile `it` landed; every warp is done with tile it-1 and with P
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
+    float alpha[2];
 
-    // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
-    float s[16];
+    if (wg == 0) {
+      // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
+      float s[32];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = 0.f;
-    wgmma_fence();
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
-      const uint32_t col = (kk >> 2), step = (kk & 3) * 32;
-      const uint64_t da = sw128_desc(sQ + col * ROWS * BLOCK_BYTES + step, 16, 1024);
-      const uint64_t db = sw128_desc(sK + col * KEYS * BLOCK_BYTES + wg * 32 * BLOCK_BYTES + step, 16, 1024);
-      wgmma_m64n32k16(s, da, db, kk > 0);
-    }
-    wgmma_commit();
-    // The next tile streams in while the tensor cores work (its slot held tile it-1).
-    if (it + 1 < ntiles) load_keys(p, table, k_begin + (it + 1) * KEYS, k_end, sKV + ((it + 1) & 1) * KV_BYTES);
-    cp_async_commit();
-    wgmma_wait<0>();
-    reg_fence(s);
-
-    // Scale into the log2 domain and mask (keys past the range; tree keys the slot does
-    // not see), then the row maxima of both warpgroups.
-    const int k0 = k_begin + it * KEYS + wg * 32;
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + j * 8 + 2 * t + (e & 1);
-        const int slot = e < 2 ? slot0 : slot1;
-        bool ok = key < k_end;
-        if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
-        s[4 * j + e] = ok ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+        const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+        wgmma_m64n64k16(s, sw128_desc(sQ + col * ROWS * BLOCK_BYTES + step, 16, 1024),
+                        sw128_desc(sK + col * KEYS * BLOCK_BYTES + step, 16, 1024), kk > 0);
       }
-    }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(s);
+
+      // Scale into the log2 domain; mask keys past the range and tree keys the slot does
+      // not see (prefix tiles skip the lookups).
+      const int k0 = k_begin + it * KEYS;
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (k0 + KEYS <= unmasked_end) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-    }
-    if (t == 0) { sMax[wg * ROWS + rbase + g] = mx[0]; sMax[wg * ROWS + rbase + g + 8] = mx[1]; }
-    __syncthreads();
-    float alpha[2], msafe[2], sum[2] = {0.f, 0.f};
+        for (int i = 0; i < 32; ++i) {
+          s[i] *= p.scale_log2;
+          mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+        }
+      } else {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float other = sMax[(wg ^ 1) * ROWS + rbase + g + 8 * h];
-      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));  // the same in both warpgroups
-      msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
-      alpha[h] = exp2f(m_run[h] - msafe[h]);
-      m_run[h] = m_new;
-    }
-    // P (bf16) into its swizzled tile: row r, keys 32wg + 8j + 2t (+1) -> chunk 4wg + j.
+        for (int i = 0; i < 32; ++i) {
+          const int key = k0 + (i >> 2) * 8 + 2 * t + (i & 1);
+          const int slot = (i & 2) ? slot1 : slot0;
+          bool ok = key < k_end;
+          if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
+          s[i] = ok ? s[i] * p.scale_log2 : -INFINITY;
+          mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+        }
+      }
+      float msafe[2], sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float p0 = exp2f(s[4 * j] - msafe[0]), p1 = exp2f(s[4 * j + 1] - msafe[0]);
-      const float p2 = exp2f(s[4 * j + 2] - msafe[1]), p3 = exp2f(s[4 * j + 3] - msafe[1]);
-      sum[0] += p0 + p1;
-      sum[1] += p2 + p3;
-      const int chunk = wg * 4 + j, r = rbase + g;
-      *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((chunk ^ (r & 7)) << 4) + 4 * t) = pack_bf16(p0, p1);
-      *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((chunk ^ ((r + 8) & 7)) << 4) + 4 * t) =
-          pack_bf16(p2, p3);
-    }
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float m_new = fmaxf(m_run[h], mx[h]);
+        msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
+        alpha[h] = exp2f(m_run[h] - msafe[h]);
+        m_run[h] = m_new;
+      }
+      // P (bf16) into its swizzled tile: row r, keys 8j + 2t (+1) -> chunk j.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-      l_run[h] = l_run[h] * alpha[h] + sum[h];
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = exp2f(s[4 * j] - msafe[0]), p1 = exp2f(s[4 * j + 1] - msafe[0]);
+        const float p2 = exp2f(s[4 * j + 2] - msafe[1]), p3 = exp2f(s[4 * j + 3] - msafe[1]);
+        sum[0] += p0 + p1;
+        sum[1] += p2 + p3;
+        const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
+        *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        l_run[h] = l_run[h] * alpha[h] + sum[h];
+      }
+      if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+      fence_proxy_async();
+    } else {
+      // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
+      if (it + 1 < ntiles)
+        load_keys(p, table, k_begin + (it + 1) * KEYS, k_end, sKV + ((it + 1) & 1) * KV_BYTES, warp - 4);
+      cp_async_commit();
     }
+    __syncthreads();  // P and the rescale factors are in shared memory
+    if (wg == 1) { alpha[0] = sAlpha[rbase + g]; alpha[1] = sAlpha[rbase + g + 8]; }
     // Rescale O only when a row maximum moved somewhere in the warp (x1.0 is exact).
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -179,18 +196,15 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
         o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
       }
     }
-    fence_proxy_async();
-    __syncthreads();  // both halves of P are in shared memory
 
     // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
     // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset).
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
-      const uint64_t da = sw128_desc(sP + kk * 32, 16, 1024);
-      const uint64_t db = sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
-                                     KEYS * BLOCK_BYTES, 1024);
-      wgmma_m64n256k16_bt(o, da, db);
+      wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
+                          sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
+                                     KEYS * BLOCK_BYTES, 1024));
     }
     wgmma_commit();
     wgmma_wait<0>();
@@ -198,8 +212,10 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   }
   cp_async_wait<0>();
 
-  // Row sums: this warpgroup's keys plus the other's.
-  if (t == 0) { sSum[wg * ROWS + rbase + g] = l_run[0]; sSum[wg * ROWS + rbase + g + 8] = l_run[1]; }
+  if (wg == 0 && t == 0) {
+    sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
+    sM[rbase + g] = m_run[0]; sM[rbase + g + 8] = m_run[1];
+  }
   __syncthreads();
 
   const bool direct = p.num_splits == 1;
@@ -209,7 +225,7 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
     const int r = rbase + g + 8 * h;
     const int row = m0 + r;
     if (row >= p.R) continue;
-    const float l = sSum[r] + sSum[ROWS + r], m = m_run[h];
+    const float l = sL[r], m = sM[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     const float lse = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
     if (direct) {
