@@ -11,7 +11,7 @@
 //   warpgroup 1: streams the next key tile in meanwhile (cp.async);
 //   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
 //                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
-// Two barriers a tile. Tiles: [9 column blocks][rows][64 bf16] with 128-byte rows, the
+// PV of a tile overlaps S of the next (named barriers hand the buffers over). Tiles: [9 column blocks][rows][64 bf16] with 128-byte rows, the
 // 16-byte chunk index XOR-ed with row % 8 (the canonical SW128 layout; 1024-byte bases).
 #include "../mma.cuh"
 #include "../verify_common.cuh"
@@ -65,6 +65,17 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
   }
 }
 
+// O rows g and g + 8 times their factors, only when a row maximum moved somewhere in the
+// warp (x1.0 is exact, and once the maxima settle this saves 128 FMULs a tile).
+__device__ __forceinline__ void rescale_rows(float (&o)[128], const float (&alpha)[2]) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+    }
+  }
+}
+
 __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(VerifyParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -108,13 +119,20 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0's rows
   const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
 
+  // The tiles flow through a pipeline: PV of tile i is issued without waiting, so the
+  // tensor cores go on to S of tile i+1 while it runs. Named barriers (ids 1-3, both
+  // warpgroups) hand the shared buffers over:
+  //   P_READY (1): warpgroup 0 wrote P(i) and the rescale factors;
+  //   KV_FREE (2): warpgroup 0's PV(i-1) finished, so tile i-1's slot may be refilled
+  //                (arrived only after S(i): a later arrival could count as this one's);
+  //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
+  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3;
   for (int it = 0; it < ntiles; ++it) {
     cp_async_wait<0>();
     fence_proxy_async();
-    __syncthreads();  // tile `it` landed; every warp is done with tile it-1 and with P
+    __syncthreads();  // tile `it` landed (and both PVs of tile it-1 are issued)
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
     float alpha[2];
-
     if (wg == 0) {
       // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
       float s[32];
@@ -128,51 +146,65 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
                         sw128_desc(sK + col * KEYS * BLOCK_BYTES + step, 16, 1024), kk > 0);
       }
       wgmma_commit();
+      // S(it) and PV(it-1) done. (Waiting for PV(it-1) alone, wait_group 1, would free the
+      // slot sooner, but ptxas then serialises every wgmma: measured 45% vs 69% of roofline.)
       wgmma_wait<0>();
+      named_arrive(KV_FREE, THREADS);
       reg_fence(s);
+      reg_fence(o);
 
-      // Scale into the log2 domain; mask keys past the range and tree keys the slot does
-      // not see (prefix tiles skip the lookups).
+      // Mask keys past the range and tree keys the slot does not see (prefix tiles skip
+      // the lookups). Raw scores: the scale (> 0) is folded into the exponent's FFMA.
       const int k0 = k_begin + it * KEYS;
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (k0 + KEYS <= unmasked_end) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          s[i] *= p.scale_log2;
-          mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-        }
-      } else {
+      if (k0 + KEYS > unmasked_end) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) {
           const int key = k0 + (i >> 2) * 8 + 2 * t + (i & 1);
           const int slot = (i & 2) ? slot1 : slot0;
           bool ok = key < k_end;
           if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
-          s[i] = ok ? s[i] * p.scale_log2 : -INFINITY;
-          mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+          if (!ok) s[i] = -INFINITY;
         }
       }
-      float msafe[2], sum[2] = {0.f, 0.f};
+      // Row maxima as trees (not a 16-long dependent chain): rows g (h = 0) and g + 8.
+      float msafe[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float m_new = fmaxf(m_run[h], mx[h]);
+        float m8[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+#pragma unroll
+        for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+          for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
+        float mx = fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2)) * p.scale_log2;
+        const float m_new = fmaxf(m_run[h], mx);
         msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
         alpha[h] = exp2f(m_run[h] - msafe[h]);
         m_run[h] = m_new;
       }
-      // P (bf16) into its swizzled tile: row r, keys 8j + 2t (+1) -> chunk j.
+      named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
+      // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
+      // -> chunk j; row sums as trees.
+      float sum0[8], sum1[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(s[4 * j] - msafe[0]), p1 = exp2f(s[4 * j + 1] - msafe[0]);
-        const float p2 = exp2f(s[4 * j + 2] - msafe[1]), p3 = exp2f(s[4 * j + 3] - msafe[1]);
-        sum[0] += p0 + p1;
-        sum[1] += p2 + p3;
+        const float p0 = exp2f(fmaf(s[4 * j], p.scale_log2, -msafe[0]));
+        const float p1 = exp2f(fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]));
+        const float p2 = exp2f(fmaf(s[4 * j + 2], p.scale_log2, -msafe[1]));
+        const float p3 = exp2f(fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]));
+        sum0[j] = p0 + p1;
+        sum1[j] = p2 + p3;
         const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
         *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
         *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
       }
+#pragma unroll
+      for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) { sum0[j] += sum0[j + w]; sum1[j] += sum1[j + w]; }
+      float sum[2] = {sum0[0], sum1[0]};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
@@ -180,25 +212,26 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
         l_run[h] = l_run[h] * alpha[h] + sum[h];
       }
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+      rescale_rows(o, alpha);
       fence_proxy_async();
+      named_arrive(P_READY, THREADS);
     } else {
+      wgmma_wait<0>();  // this warpgroup's PV(it-1)
+      reg_fence(o);
+      named_arrive(P_FREE, THREADS);
+      named_sync(KV_FREE, THREADS);
       // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
       if (it + 1 < ntiles)
         load_keys(p, table, k_begin + (it + 1) * KEYS, k_end, sKV + ((it + 1) & 1) * KV_BYTES, warp - 4);
       cp_async_commit();
+      named_sync(P_READY, THREADS);
+      alpha[0] = sAlpha[rbase + g];
+      alpha[1] = sAlpha[rbase + g + 8];
+      rescale_rows(o, alpha);
     }
-    __syncthreads();  // P and the rescale factors are in shared memory
-    if (wg == 1) { alpha[0] = sAlpha[rbase + g]; alpha[1] = sAlpha[rbase + g + 8]; }
-    // Rescale O only when a row maximum moved somewhere in the warp (x1.0 is exact).
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
-      }
-    }
-
     // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
-    // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset).
+    // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not waited
+    // for here (see above).
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
@@ -207,9 +240,9 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
                                      KEYS * BLOCK_BYTES, 1024));
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    reg_fence(o);
   }
+  wgmma_wait<0>();
+  reg_fence(o);
   cp_async_wait<0>();
 
   if (wg == 0 && t == 0) {

@@ -27,6 +27,14 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// Named barriers between warpgroups: `arrive` signals without waiting, `sync` waits for
+// `count` threads in all (arrivals included).
+__device__ __forceinline__ void named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 // Keeps the compiler from moving accumulator accesses across an in-flight wgmma.
 template <int N>
 __device__ __forceinline__ void reg_fence(float (&d)[N]) {
