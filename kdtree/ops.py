@@ -54,11 +54,12 @@ def lib() -> ctypes.CDLL:
 
 
 def _ptr(t: torch.Tensor | None):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
+    # ctypes turns an int into a void* (c_void_p argtypes); None is NULL.
+    return None if t is None else t.data_ptr()
 
 
-def _stream(device) -> ctypes.c_void_p:
-    return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+def _stream(device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check(rc: int, what: str) -> None:
@@ -69,6 +70,18 @@ def _check(rc: int, what: str) -> None:
 
 
 def _tensor(name, t, dtype, shape, device=None):
+    """Checks a kernel argument; the common (valid) case costs a few attribute reads, since
+    these checks sit on every launch's host path (the caller latency the sweeps report)."""
+    if (isinstance(t, torch.Tensor) and t.dtype is dtype and t.is_cuda
+            and (device is None or t.device == device) and len(t.shape) == len(shape)
+            and all(s is None or a == s for a, s in zip(t.shape, shape)) and t.is_contiguous()):
+        return t
+    _explain(name, t, dtype, shape, device)
+    return t
+
+
+def _explain(name, t, dtype, shape, device):
+    """The error for an argument _tensor refused: the first rule it breaks."""
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name}: expected a torch tensor, got {type(t).__name__}")
     if not t.is_cuda:
@@ -77,13 +90,10 @@ def _tensor(name, t, dtype, shape, device=None):
         raise InputError(f"{name}: expected device {device}, got {t.device}")
     if t.dtype != dtype:
         raise InputError(f"{name}: expected dtype {dtype}, got {t.dtype}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise InputError(f"{name}: expected shape {want}, got {list(t.shape)}")
-    if not t.is_contiguous():
-        raise InputError(f"{name}: expected a contiguous tensor")
-    return t
+    if t.dim() != len(shape) or any(s is not None and a != s for a, s in zip(t.shape, shape)):
+        want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InputError(f"{name}: expected shape {want}, got {list(t.shape)}")
+    raise InputError(f"{name}: expected a contiguous tensor")
 
 
 # ---------------------------------------------------------------- tree build
