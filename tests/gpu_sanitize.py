@@ -17,10 +17,13 @@ def main():
     # unsorted row sends it to the warp loop.
     lp2, ids2 = stage_a_inputs(4, 15, 8192, 256, seed=3, coarse_fraction=1.0)
     lp2[3, 1] = lp2[3, 1].flip(0)
-    ops.build_trees_gpu(lp2.cuda(), ids2.cuda(), torch.full((4,), 256, dtype=torch.int32, device="cuda"),
-                        d_max=257)
+    wide = ops.build_trees_gpu(lp2.cuda(), ids2.cuda(),
+                               torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
     target = torch.randint(0, 200, (3, 41), device="cuda")
-    ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)
+    ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)  # a warp each
+    # D 257: a CTA each, the parallel sibling scan; the target follows first children.
+    target2 = torch.where(wide.next_token >= 0, wide.tokens.gather(1, wide.next_token.clamp(min=0)), 0)
+    ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target2, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
     for path, splits in (("auto", 1), ("auto", 3), ("mma_sync", 1), ("mma_sync", 3)):
         ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel

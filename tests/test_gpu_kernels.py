@@ -238,6 +238,74 @@ def test_tree_accept_wide_rows_and_depth_limits(ops, B, D, max_depth):
     assert max_depth == 0 or want[1].max() >= 2
 
 
+def capped_walk(cand, nt, ns, target, max_depth):
+    """The kernel's walk on any lists (greedy_accept_batch assumes a tree): a link out of
+    [0, D) ends its list, and a request stops after D steps (cycles)."""
+    B, D = cand.shape
+    idx = np.full((B, max_depth + 1), -1, np.int32)
+    alen = np.zeros(B, np.int32)
+    bonus = np.zeros(B, np.int64)
+    ok = lambda x: int(x) if 0 <= x < D else -1
+    for b in range(B):
+        cur, k, steps = 0, 0, 0
+        idx[b, 0] = b * D
+        child = ok(nt[b, 0])
+        while child != -1 and k < max_depth and steps < D:
+            if cand[b, child] == target[b, cur]:
+                cur, k = child, k + 1
+                idx[b, k] = b * D + cur
+                child = ok(nt[b, cur])
+            else:
+                child = ok(ns[b, child])
+            steps += 1
+        alen[b], bonus[b] = k, target[b, cur]
+    return idx, alen, bonus
+
+
+@pytest.mark.parametrize("corruption", ["cycle", "two_preds", "root_link", "child_and_sibling",
+                                        "out_of_range", "none"])
+def test_tree_accept_cta_path_on_trees_and_corrupt_lists(ops, corruption):
+    """D > 64 (a CTA per request): the walk equals the reference on trees (duplicate tokens
+    among siblings: the first in list order wins) and the capped walk on lists that are not
+    a forest (requests 0-2 here: cycles, two predecessors, links to the root or out of range)."""
+    rng = np.random.default_rng(sum(map(ord, corruption)))
+    B, D, V = 6, 200, 3
+    cand, nt, ns = random_lcrs(rng, B, D, V)
+    target = rng.integers(0, V, size=(B, D))
+    for b in range(B):           # mostly follow the first child: deep walks
+        for i in range(D):
+            if nt[b, i] != -1 and rng.random() < 0.9:
+                target[b, i] = cand[b, nt[b, i]]
+    valid_want = greedy_accept_batch(cand, nt, ns, target, 15) if corruption == "none" else None
+    for b in range(3 if corruption != "none" else 0):
+        linked = [i for i in range(1, D) if ns[b, i] != -1]
+        u = int(rng.choice(linked))
+        v = int(ns[b, u])
+        if corruption == "cycle":
+            ns[b, v] = u
+        elif corruption == "two_preds":
+            w = next(i for i in range(1, D) if ns[b, i] == -1 and i not in (u, v))
+            ns[b, w] = v
+        elif corruption == "root_link":
+            ns[b, v] = 0
+        elif corruption == "child_and_sibling":
+            first = next(int(nt[b, i]) for i in range(1, D) if nt[b, i] > 0 and nt[b, i] != v)
+            w = next(i for i in range(1, D) if ns[b, i] == -1 and i != first)
+            ns[b, w] = first
+        elif corruption == "out_of_range":
+            ns[b, u] = D + 7
+            nt[b, int(rng.integers(1, D))] = -5
+    want = capped_walk(cand, nt, ns, target, 15)
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64)).to(DEV)
+    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), 15)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
+    if valid_want is not None:
+        for g, w in zip(got, valid_want):
+            assert np.array_equal(g.cpu().numpy(), w)
+        assert want[1].max() >= 2     # the walks went below the root's children
+
+
 def test_tree_accept_corrupt_links_end_the_walk(ops):
     """Out-of-range and cyclic links stop the walk instead of reading past the row or hanging."""
     D = 8
