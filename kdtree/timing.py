@@ -45,14 +45,7 @@ def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
             fn()
     g.replay()
     torch.cuda.synchronize()
-    samples = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(replays):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / inner)
+    samples = [t / inner for t in _event_seconds(g.replay, replays)]
     del g
     return summarize(samples)
 
@@ -64,15 +57,22 @@ def time_events(fn, reps: int = 20, warmup: int = 3) -> dict:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    return summarize(_event_seconds(fn, reps))
+
+
+def _event_seconds(call, reps: int) -> list[float]:
+    """Device seconds of each of `reps` calls, between CUDA events on the current stream."""
+    import torch
+
     samples = []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(reps):
         start.record()
-        fn()
+        call()
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3)
-    return summarize(samples)
+    return samples
 
 
 def time_eager_latency(fn, reps: int = 50, warmup: int = 5) -> dict:

@@ -27,6 +27,33 @@ __host__ __device__ inline size_t accept_row_bytes(int D) {
   return ((size_t)D * (sizeof(Slot) + 8) + 15) / 16 * 16;
 }
 
+// The walk: from the root's first child, descend on a match, else go to the next sibling.
+// slot(i) gives slot i (links out of range as -1), target(i) its target. Each step visits
+// a new slot; the cap keeps a cyclic (corrupt) list from hanging. Returns the accepted
+// count; idx gets their global slot ids, *want the bonus token.
+template <class SlotAt, class TargetAt>
+__device__ __forceinline__ int walk(SlotAt slot, TargetAt target, int D, int max_depth, size_t row,
+                                    int32_t* idx, int64_t* want) {
+  int k = 0;
+  *want = target(0);
+  int child = slot(0).next_token;
+  for (int steps = 0; child >= 0 && k < max_depth && steps < D; ++steps) {
+    const Slot v = slot(child);
+    if (v.candidate == *want) {
+      idx[++k] = (int32_t)(row + child);
+      *want = target(child);
+      child = v.next_token;
+    } else {
+      child = v.next_sibling;
+    }
+  }
+  return k;
+}
+
+__device__ __forceinline__ int32_t link_or_none(int64_t x, int D) {
+  return (int32_t)(x >= 0 && x < D ? x : -1);  // out of range ends the walk
+}
+
 // GROUP threads per request: 32 (a warp; ACCEPT_WARPS requests a CTA) or ACCEPT_THREADS.
 template <bool STAGED, int GROUP>
 __global__ void __launch_bounds__(ACCEPT_THREADS)
@@ -41,6 +68,7 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
   const size_t row = (size_t)b * D;
   const int64_t* cand = candidates + row;
   const int64_t* tgt = target + row;
+  int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
   int k = 0;
   int64_t want = 0;
   __shared__ int s_k[ACCEPT_WARPS];
@@ -52,49 +80,32 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
       const int64_t nt = next_token[row + i], ns = next_sibling[row + i];
       Slot v;
       v.candidate = cand[i];
-      v.next_token = (int32_t)(nt >= 0 && nt < D ? nt : -1);  // out of range ends the walk
-      v.next_sibling = (int32_t)(ns >= 0 && ns < D ? ns : -1);
+      v.next_token = link_or_none(nt, D);
+      v.next_sibling = link_or_none(ns, D);
       s_slot[i] = v;
       s_tgt[i] = tgt[i];
     }
     if (GROUP == 32) __syncwarp(); else __syncthreads();
     if (lane == 0) {
-      int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
       idx[0] = (int32_t)row;
-      want = s_tgt[0];
-      int child = s_slot[0].next_token;
-      // Each step visits a new slot; the cap keeps a cyclic (corrupt) list from hanging.
-      for (int steps = 0; child >= 0 && k < max_depth && steps < D; ++steps) {
-        const Slot v = s_slot[child];
-        if (v.candidate == want) {
-          idx[++k] = (int32_t)(row + child);
-          want = s_tgt[child];
-          child = v.next_token;
-        } else {
-          child = v.next_sibling;
-        }
-      }
+      k = walk([&](int i) { return s_slot[i]; }, [&](int i) { return s_tgt[i]; }, D, max_depth, row,
+               idx, &want);
     }
-  } else if (lane == 0) {
-    int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
+  } else if (lane == 0) {  // rows too wide to stage: the same walk over global memory
     idx[0] = (int32_t)row;
-    want = tgt[0];
-    int64_t child = next_token[row];
-    for (int steps = 0; child >= 0 && child < D && k < max_depth && steps < D; ++steps) {
-      if (cand[child] == want) {
-        idx[++k] = (int32_t)(row + child);
-        want = tgt[child];
-        child = next_token[row + child];
-      } else {
-        child = next_sibling[row + child];
-      }
-    }
+    k = walk([&](int i) {
+               Slot v;
+               v.candidate = cand[i];
+               v.next_token = link_or_none(next_token[row + i], D);
+               v.next_sibling = link_or_none(next_sibling[row + i], D);
+               return v;
+             },
+             [&](int i) { return tgt[i]; }, D, max_depth, row, idx, &want);
   }
   // The group learns k from its first thread, then pads the index row in parallel.
   if (lane == 0) s_k[group] = k;
   if (GROUP == 32) __syncwarp(); else __syncthreads();
   k = s_k[group];
-  int32_t* idx = accept_index + (size_t)b * (max_depth + 1);
   for (int j = k + 1 + lane; j <= max_depth; j += GROUP) idx[j] = -1;
   if (lane == 0) {
     accept_len[b] = k;

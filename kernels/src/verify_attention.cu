@@ -245,30 +245,9 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   if (t == 0) { sSum[half * ROWS + qrow + g] = l_run[0]; sSum[half * ROWS + qrow + g + 8] = l_run[1]; }
   pair_barrier(pair);
 
-  const bool direct = p.num_splits == 1;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = qrow + g + 8 * h;
-    const int row = m0 + r;
-    if (row >= p.R) continue;
-    const float l = sSum[r] + sSum[ROWS + r], m = m_run[h];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
-    if (direct) {
-      __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + col0 + 2 * t;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-      if (half == 0 && t == 0) p.lse[(size_t)b * p.R + row] = lse;
-    } else {
-      const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
-      float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[j][2 * h] * inv, o[j][2 * h + 1] * inv);
-      if (half == 0 && t == 0) p.part_lse[prow] = lse;
-    }
-  }
+  const float l[2] = {sSum[qrow + g] + sSum[ROWS + qrow + g], sSum[qrow + g + 8] + sSum[ROWS + qrow + g + 8]};
+  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0,
+             [&](int j, int e) { return o[j][e]; });
 }
 
 // Merge the splits of each row by their LSEs: out = sum_s exp(lse_s - lse) * o_s.
@@ -349,9 +328,19 @@ int pick_tile(int R, TileKind* kind) {
   return 0;
 }
 
+// Calls f with a value of the mma.sync tile type of `k` (not WGMMA: that kernel is apart).
+template <class F>
+int with_tile(TileKind k, F f) {
+  switch (k) {
+    case TileKind::T64: return f(Tile64{});
+    case TileKind::T32: return f(Tile32{});
+    default: return f(Tile16{});
+  }
+}
+
 int tile_rows(TileKind k) {
   if (k == TileKind::WGMMA) return WGMMA_ROWS;
-  return k == TileKind::T64 ? Tile64::ROWS : k == TileKind::T32 ? Tile32::ROWS : Tile16::ROWS;
+  return with_tile(k, [](auto tile) { return decltype(tile)::ROWS; });
 }
 
 template <class T>
@@ -386,13 +375,11 @@ extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int*
   if (err) return err;
   *rows_per_cta = kd::tile_rows(kind);
   *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
-  switch (kind) {
-    case kd::TileKind::WGMMA: *ctas_per_sm = 1; break;  // 226 KB of shared memory a CTA
-    case kd::TileKind::T64: err = kd::ctas_per_sm<kd::Tile64>(ctas_per_sm); break;
-    case kd::TileKind::T32: err = kd::ctas_per_sm<kd::Tile32>(ctas_per_sm); break;
-    default: err = kd::ctas_per_sm<kd::Tile16>(ctas_per_sm); break;
+  if (kind == kd::TileKind::WGMMA) {
+    *ctas_per_sm = 1;  // 226 KB of shared memory a CTA
+    return 0;
   }
-  return err;
+  return kd::with_tile(kind, [&](auto tile) { return kd::ctas_per_sm<decltype(tile)>(ctas_per_sm); });
 }
 
 extern "C" int kd_verify_set_path(int path) {
@@ -431,14 +418,11 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   kd::TileKind kind;
   int rc = kd::pick_tile(p.R, &kind);
   if (rc) return rc;
-  switch (kind) {
 #ifdef KD_HAS_SM90A
-    case kd::TileKind::WGMMA: rc = kd::launch_verify_wgmma(p, B, st); break;
+  if (kind == kd::TileKind::WGMMA) rc = kd::launch_verify_wgmma(p, B, st);
+  else
 #endif
-    case kd::TileKind::T64: rc = kd::launch<kd::Tile64>(p, B, st); break;
-    case kd::TileKind::T32: rc = kd::launch<kd::Tile32>(p, B, st); break;
-    default: rc = kd::launch<kd::Tile16>(p, B, st); break;
-  }
+    rc = kd::with_tile(kind, [&](auto tile) { return kd::launch<decltype(tile)>(p, B, st); });
   if (rc) return rc;
   if (num_splits > 1) {
     kd::verify_combine_kernel<<<dim3(p.R, B), kd::COMBINE_THREADS, 0, st>>>(partial_out, partial_lse, p.R,

@@ -50,6 +50,39 @@ __device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t
   return ((size_t)page * p.page_size + off) * QK_DIM;
 }
 
+// A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value
+// columns col0 + 8j + 2t (+1) for j < 32, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
+// C-fragment order both kernels keep); l and m (log2 domain) per row. One split writes the
+// bf16 output and the LSE (lse_writer), several write float32 partials for the combine.
+template <class O>
+__device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int split, int row0, int col0,
+                                           int t, const float (&l)[2], const float (&m)[2],
+                                           bool lse_writer, O o) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + 8 * h;
+    if (row >= p.R) continue;
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+    if (p.num_splits == 1) {
+      __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + col0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        __nv_bfloat162 v = __floats2bfloat162_rn(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);
+        *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) = v;
+      }
+      if (lse_writer) p.lse[(size_t)b * p.R + row] = lse;
+    } else {
+      const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
+      float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);
+      if (lse_writer) p.part_lse[prow] = lse;
+    }
+  }
+}
+
 // The wgmma kernel's launcher (sm90/verify_attention_wgmma.cu; built only with sm_90a).
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st);
 size_t verify_wgmma_smem_bytes();

@@ -255,31 +255,10 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   }
   __syncthreads();
 
-  const bool direct = p.num_splits == 1;
-  const int col0 = wg * 256;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = rbase + g + 8 * h;
-    const int row = m0 + r;
-    if (row >= p.R) continue;
-    const float l = sL[r], m = sM[r];
-    const float inv = l > 0.f ? 1.f / l : 0.f;
-    const float lse = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
-    if (direct) {
-      __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + col0 + 2 * t;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<uint32_t*>(dst + j * 8) = pack_bf16(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (wg == 0 && t == 0) p.lse[(size_t)b * p.R + row] = lse;
-    } else {
-      const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
-      float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o[4 * j + 2 * h] * inv, o[4 * j + 2 * h + 1] * inv);
-      if (wg == 0 && t == 0) p.part_lse[prow] = lse;
-    }
-  }
+  const int r = rbase + g;
+  const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
+  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0,
+             [&](int j, int e) { return o[4 * j + e]; });
 #else
   __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
 #endif
