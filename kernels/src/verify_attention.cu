@@ -99,16 +99,9 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int qrow = pair * 16;          // the pair's 16 rows within the tile
   const int col0 = half * 256;         // this warp's output columns
   const int key0 = half * 16;          // this warp's keys within a tile, for S
-  const int seq = clamped_seq_len(p, b);
-  const int P = seq - p.D;  // prefix length; tree slots sit at positions P .. seq-1
   const int32_t* table = p.block_table + (size_t)b * p.max_pages;
-
-  // This split's key range, in whole tiles.
-  const int tiles_total = ceil_div(seq, KEYS);
-  const int tiles_per = ceil_div(tiles_total, p.num_splits);
-  const int k_begin = split * tiles_per * KEYS;
-  const int k_end = min(seq, k_begin + tiles_per * KEYS);
-  const int ntiles = k_end > k_begin ? ceil_div(k_end - k_begin, KEYS) : 0;
+  const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
+  const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
 
   // Q tile (rows past R zero-filled) rides in the first group with key tile 0.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {

@@ -43,6 +43,22 @@ __device__ __forceinline__ int clamped_seq_len(const VerifyParams& p, int b) {
   return min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
 }
 
+// Request b's keys for one split: whole tiles of `keys`, the prefix length P (tree slots sit
+// at positions P .. seq-1) and [begin, end) with its tile count.
+struct SplitKeys {
+  int P, begin, end, ntiles;
+};
+__device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, int b, int split, int keys) {
+  const int seq = clamped_seq_len(p, b);
+  const int tiles_per = ceil_div(ceil_div(seq, keys), p.num_splits);
+  SplitKeys r;
+  r.P = seq - p.D;
+  r.begin = split * tiles_per * keys;
+  r.end = min(seq, r.begin + tiles_per * keys);
+  r.ntiles = r.end > r.begin ? ceil_div(r.end - r.begin, keys) : 0;
+  return r;
+}
+
 // Element offset of key `pos` of a request in the paged cache.
 __device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t* table, int pos) {
   const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];

@@ -92,15 +92,9 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   const int wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
-  const int seq = clamped_seq_len(p, b);
-  const int P = seq - p.D;  // prefix length; tree slots sit at positions P .. seq-1
   const int32_t* table = p.block_table + (size_t)b * p.max_pages;
-
-  const int tiles_total = ceil_div(seq, KEYS);
-  const int tiles_per = ceil_div(tiles_total, p.num_splits);
-  const int k_begin = split * tiles_per * KEYS;
-  const int k_end = min(seq, k_begin + tiles_per * KEYS);
-  const int ntiles = k_end > k_begin ? ceil_div(k_end - k_begin, KEYS) : 0;
+  const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
+  const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
 
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
