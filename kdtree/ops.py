@@ -76,8 +76,7 @@ def _tensor(name, t, dtype, shape, device=None):
             and (device is None or t.device == device) and len(t.shape) == len(shape)
             and all(s is None or a == s for a, s in zip(t.shape, shape)) and t.is_contiguous()):
         return t
-    _explain(name, t, dtype, shape, device)
-    return t
+    _explain(name, t, dtype, shape, device)  # raises
 
 
 def _explain(name, t, dtype, shape, device):
@@ -239,7 +238,7 @@ def set_verify_path(path: str) -> str:
 def verify_kernel(R: int, device) -> str:
     """Which verify kernel runs for R query rows on `device` now: "wgmma" or "mma_sync"."""
     rows, keys, _ = _device_facts(torch.device(device).index or 0, R)
-    return "wgmma" if keys == 64 else "mma_sync"
+    return "wgmma" if keys == 64 else "mma_sync"  # the mma.sync tiles stream 32 keys
 
 
 def choose_splits(B: int, R: int, max_seq: int, device) -> int:

@@ -84,19 +84,19 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     nbytes = attention_bytes(B, D, H, P)
     base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), cache_copies=copies,
                 **ceilings)
+    def kernel_row(impl, kernel, t):
+        return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
+                    copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
+                    num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda"), **t)
+
     kernel = ops.verify_kernel(D * H, "cuda")
-    rows = [dict(base, impl="kdtree_kernel", kernel=kernel, roofline_fraction=fl / t["median_us"],
-                 copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                 num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda"), **t)]
+    rows = [kernel_row("kdtree_kernel", kernel, t)]
     if kernel != "mma_sync" and cfg.get("compare_kernels", True):
         # A/B in the same run: the mma.sync kernel other GPUs (sm_120) run, on the same inputs.
         old = ops.set_verify_path("mma_sync")
         try:
-            t2 = time_graph(fn, replays=cfg["gpu_replays"], inner=inner)
-            rows.append(dict(base, impl="kdtree_mma_sync", kernel="mma_sync",
-                             roofline_fraction=fl / t2["median_us"],
-                             copy_fraction=nbytes / (t2["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                             num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda"), **t2))
+            rows.append(kernel_row("kdtree_mma_sync", "mma_sync",
+                                   time_graph(fn, replays=cfg["gpu_replays"], inner=inner)))
         finally:
             ops.set_verify_path(old)
     sdpa_elems = B * D * H * S
