@@ -60,9 +60,10 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
                         int num_splits, void* out, float* lse, float* partial_out,
                         float* partial_lse, void* stream);
 
-// The tile the current device gets for R = D*H query rows (chosen by R and the device's
-// shared memory per block): query rows per CTA, keys per shared-memory tile and CTAs
-// that fit one SM, for sizing splits on the host.
+// The tile the current device gets for R = D*H query rows (chosen by R, the kernel path
+// below, the device's compute capability and shared memory per block): query rows per
+// CTA, keys per shared-memory tile (64 only for the wgmma kernel) and CTAs that fit one
+// SM, for sizing splits on the host.
 int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm);
 
 // Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
