@@ -119,6 +119,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   float o[32][4];
 #pragma unroll
   for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  const auto o_at = [&](int j, int e) -> float& { return o[j][e]; };
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this warp's keys
   // Tree slot of this thread's two rows (g, g+8), for the mask.
   const int slot0 = (m0 + qrow + g) / p.H, slot1 = (m0 + qrow + g + 8) / p.H;
@@ -206,14 +207,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
       sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
       l_run[h] = l_run[h] * alpha[h] + sum[h];
     }
-    // Rescale O only when a row maximum moved somewhere in the warp (x1.0 is exact, so
-    // skipping it changes nothing); once the maxima settle this saves 128 FMULs a tile.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
-      }
-    }
+    rescale_rows(alpha, o_at);
     pair_barrier(pair);  // both halves of P are in shared memory
 
     // O += P V over this warp's 256 columns (all 32 keys of the tile).
@@ -239,8 +233,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   pair_barrier(pair);
 
   const float l[2] = {sSum[qrow + g] + sSum[ROWS + qrow + g], sSum[qrow + g + 8] + sSum[ROWS + qrow + g + 8]};
-  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0,
-             [&](int j, int e) { return o[j][e]; });
+  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0, o_at);
 }
 
 // Merge the splits of each row by their LSEs: out = sum_s exp(lse_s - lse) * o_s.

@@ -66,6 +66,19 @@ __device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t
   return ((size_t)page * p.page_size + off) * QK_DIM;
 }
 
+// O rows g and g + 8 of a thread (o(j, 0..1) and o(j, 2..3), j < 32) times their factors,
+// only when a row maximum moved somewhere in the warp (x1.0 is exact, so skipping changes
+// nothing; once the maxima settle this saves 128 FMULs a tile).
+template <class O>
+__device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
+  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+      o(j, 0) *= alpha[0]; o(j, 1) *= alpha[0]; o(j, 2) *= alpha[1]; o(j, 3) *= alpha[1];
+    }
+  }
+}
+
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value
 // columns col0 + 8j + 2t (+1) for j < 32, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
 // C-fragment order both kernels keep); l and m (log2 domain) per row. One split writes the

@@ -65,17 +65,6 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
   }
 }
 
-// O rows g and g + 8 times their factors, only when a row maximum moved somewhere in the
-// warp (x1.0 is exact, and once the maxima settle this saves 128 FMULs a tile).
-__device__ __forceinline__ void rescale_rows(float (&o)[128], const float (&alpha)[2]) {
-  if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0]; o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
-    }
-  }
-}
-
 __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(VerifyParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
@@ -107,9 +96,10 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
   if (wg == 1 && ntiles > 0) load_keys(p, table, k_begin, k_end, sKV, warp - 4);
   cp_async_commit();
 
-  float o[128];
+  float o[128];  // wgmma's accumulator order: o[4j + e] is element e of 8-column block j
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  const auto o_at = [&](int j, int e) -> float& { return o[4 * j + e]; };
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0's rows
   const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
 
@@ -210,7 +200,7 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
         l_run[h] = l_run[h] * alpha[h] + sum[h];
       }
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
-      rescale_rows(o, alpha);
+      rescale_rows(alpha, o_at);
       fence_proxy_async();
       named_arrive(P_READY, THREADS);
     } else {
@@ -225,7 +215,7 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
       named_sync(P_READY, THREADS);
       alpha[0] = sAlpha[rbase + g];
       alpha[1] = sAlpha[rbase + g + 8];
-      rescale_rows(o, alpha);
+      rescale_rows(alpha, o_at);
     }
     // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
     // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not waited
@@ -251,8 +241,7 @@ __global__ void __launch_bounds__(THREADS, 1) verify_attention_wgmma_kernel(Veri
 
   const int r = rbase + g;
   const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
-  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0,
-             [&](int j, int e) { return o[4 * j + e]; });
+  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, o_at);
 #else
   __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
 #endif
