@@ -243,12 +243,17 @@ def verify_kernel(R: int, device) -> str:
 
 def choose_splits(B: int, R: int, max_seq: int, device) -> int:
     """Splits over the keys so that the grid fills one wave of the GPU without spilling into
-    a second (read off the device, no sync); each split keeps at least two key tiles."""
+    a second (read off the device, no sync); each split keeps one or two key tiles."""
     rows, keys, wave = _device_facts(torch.device(device).index or 0, R)
-    ctas = B * -(-R // rows)
+    row_tiles = -(-R // rows)
+    ctas = B * row_tiles
     tiles = -(-max_seq // keys)
     want = wave // max(ctas, 1)
-    return max(1, min(want, max(1, tiles // 2), MAX_SPLITS))
+    # One or two row tiles (small trees): a split of a single key tile is fastest (the
+    # GPU is far from full); more rows re-read Q and write partials per split, so each
+    # split keeps two tiles there (H200 measurements in kernels/NOTES.md).
+    min_tiles = 1 if row_tiles <= 2 else 2
+    return max(1, min(want, max(1, tiles // min_tiles), MAX_SPLITS))
 
 
 def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: float,

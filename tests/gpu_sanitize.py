@@ -21,11 +21,11 @@ def main():
                                torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)  # a warp each
-    # D 257: a CTA each, the parallel sibling scan; the target follows first children.
+    # D 257: a CTA each; the target follows first children.
     target2 = torch.where(wide.next_token >= 0, wide.tokens.gather(1, wide.next_token.clamp(min=0)), 0)
     ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target2, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
-    for path, splits in (("auto", 1), ("auto", 3), ("mma_sync", 1), ("mma_sync", 3)):
+    for path, splits in (("auto", 1), ("auto", 3), ("auto", 12), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 12)):
         ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility, 0.130861, num_splits=splits)

@@ -466,3 +466,34 @@ def test_round_captures_in_one_cuda_graph(ops):
         assert torch.equal(captured[1], eager[1]) and torch.equal(captured[2], eager[2])
         for a, b in zip(captured[3], eager[3]):
             assert torch.equal(a, b)
+
+
+def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path):
+    """The combine launches as a programmatic dependent of the attention kernel: captured
+    into a graph and replayed on fresh queries, it must still see finished partials."""
+    case = paged_case([4000, 1000, 0], 17, 8, 64, seed=21, device=DEV)
+    B, D, H, _ = case.q.shape
+    q = case.q.clone()
+    out = torch.empty(B, D, H, 512, dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty(B, D, H, dtype=torch.float32, device=DEV)
+    run = lambda: ops.verify_attention(q, case.kv_cache, case.block_table, case.seq_lens,
+                                       case.visibility, SCALE, num_splits=32, out=out, lse=lse)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for seed in (1, 2):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref_o, ref_l = verify_attention_ref(q, case.kv_cache, case.block_table, case.seq_lens,
+                                            case.visibility, SCALE)
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        assert (out.double() - ref_o).norm() / ref_o.norm() <= 5e-3
+        assert (lse.double() - ref_l).abs().max() <= 1e-3

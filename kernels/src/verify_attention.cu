@@ -13,7 +13,7 @@
 //   O += P V:     warp half h owns output columns 256h..256h+255 of the pair's rows,
 //                 so the rescale factors stay in registers.
 // One __syncthreads per key tile. With one split the CTA writes out/lse; with several
-// it writes float32 partials that the combine kernel at the end of this file merges.
+// it writes float32 partials that the combine kernel (verify_combine.cu) merges.
 #include "mma.cuh"
 #include "verify_common.cuh"
 
@@ -236,52 +236,6 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0, o_at);
 }
 
-// Merge the splits of each row by their LSEs: out = sum_s exp(lse_s - lse) * o_s.
-// The split weights go to shared memory first, so the sum over splits has independent
-// loads in flight (v1 walked the splits one dependent load at a time: tens of
-// microseconds at batch 1 with 128 splits).
-constexpr int COMBINE_THREADS = 128;  // x 4 columns = 512
-constexpr int MAX_SPLITS = 128;
-
-__global__ void __launch_bounds__(COMBINE_THREADS)
-verify_combine_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse, int R,
-                      int num_splits, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-  __shared__ float s_w[MAX_SPLITS];
-  __shared__ float s_red[COMBINE_THREADS / 32];
-  const int row = blockIdx.x, b = blockIdx.y, tid = threadIdx.x;
-  const size_t base = (size_t)b * num_splits * R + row;  // + s * R
-  const float l = tid < num_splits ? part_lse[base + (size_t)tid * R] : -INFINITY;
-  // Block max of the split LSEs, then the sum of their exponentials.
-  float m = l;
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if ((tid & 31) == 0) s_red[tid >> 5] = m;
-  __syncthreads();
-  m = fmaxf(fmaxf(s_red[0], s_red[1]), fmaxf(s_red[2], s_red[3]));
-  __syncthreads();
-  float e = (l == -INFINITY) ? 0.f : exp2f((l - m) * LOG2E);
-  float tot = e;
-  for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-  if ((tid & 31) == 0) s_red[tid >> 5] = tot;
-  __syncthreads();
-  tot = (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
-  const float lse_all = tot > 0.f ? m + logf(tot) : -INFINITY;
-  if (tid < num_splits) s_w[tid] = tot > 0.f ? e / tot : 0.f;
-  __syncthreads();
-  const int c = tid * 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-  for (int sp = 0; sp < num_splits; ++sp) {
-    const float w = s_w[sp];
-    if (w == 0.f) continue;  // an empty split wrote nothing usable
-    const float4 v = *reinterpret_cast<const float4*>(part_out + (base + (size_t)sp * R) * V_DIM + c);
-    acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w;
-  }
-  __nv_bfloat16* dst = out + ((size_t)b * R + row) * V_DIM + c;
-  *reinterpret_cast<uint32_t*>(dst) = pack_bf16(acc.x, acc.y);
-  *reinterpret_cast<uint32_t*>(dst + 2) = pack_bf16(acc.z, acc.w);
-  if (tid == 0) lse[(size_t)b * R + row] = lse_all;
-}
-
 }  // namespace
 }  // namespace kd
 
@@ -410,10 +364,5 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
 #endif
     rc = kd::with_tile(kind, [&](auto tile) { return kd::launch<decltype(tile)>(p, B, st); });
   if (rc) return rc;
-  if (num_splits > 1) {
-    kd::verify_combine_kernel<<<dim3(p.R, B), kd::COMBINE_THREADS, 0, st>>>(partial_out, partial_lse, p.R,
-                                                             num_splits, p.out, lse);
-    KD_LAUNCH_CHECK();
-  }
-  return 0;
+  return num_splits > 1 ? kd::launch_verify_combine(p, B, st) : 0;
 }

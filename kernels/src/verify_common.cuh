@@ -10,6 +10,7 @@ namespace kd {
 
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
+constexpr int MAX_SPLITS = 128;  // key splits a request (the combine keeps their weights in shared memory)
 
 struct VerifyParams {
   const __nv_bfloat16* q;
@@ -111,6 +112,9 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
     }
   }
 }
+
+// The combine of a split launch (verify_combine.cu), launched after the attention kernel.
+int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st);
 
 // The wgmma kernel's launcher (sm90/verify_attention_wgmma.cu; built only with sm_90a).
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st);
