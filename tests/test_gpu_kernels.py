@@ -76,6 +76,19 @@ def test_tree_build_matches_cpu(ops, seed):
     gpu_vs_cpu(ops, lp, ids, budgets, seq, roots)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_tree_build_small_batch(ops, seed):
+    """Batches under 8 with budgets under 256 start tau from the depth-1 bound alone
+    (no chain bound): the same bytes as the CPU build."""
+    rng = np.random.default_rng(500 + seed)
+    B = int(rng.integers(1, 8))
+    budgets = rng.choice([1, 2, 15, 16, 17, 64, 100, 255], size=B)
+    V = int(rng.choice([3, 50, 8192, 32000]))
+    lp, ids = stage_a_inputs(B, 15, V, int(budgets.max()), seed=600 + seed,
+                             coarse_fraction=float(rng.choice([0.3, 1.0])))
+    gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, V, size=B))
+
+
 def test_tree_build_batch_wider_than_the_gpu(ops):
     """More requests than SMs: the log-probs stay in global memory (small, resident CTAs)."""
     rng = np.random.default_rng(77)

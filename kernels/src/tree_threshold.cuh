@@ -395,22 +395,16 @@ KD_HD bool item_better(const Threshold& t, const SortItem& a, const SortItem& b)
   return false;
 }
 
-// Items 0 .. m-1 := nodes 1 .. m, sorted best first (bitonic network over the next power
-// of two, pads last). Device: each thread keeps its items in registers (item e = s *
-// nthreads + tid); stages whose partners sit in the same warp run on shuffles, the others
-// in shared memory. Host: the plain network.
+// Items 0 .. m-1 := nodes 1 .. m, sorted best first. Device: a thread holds items
+// e = s * nthreads + tid (pads past m, up to P = the next power of two >= 32, sort last);
+// each warp first sorts its 32 in registers (bitonic on shuffles; warps holding only
+// positions >= P sit it out), then runs of 32, 64, ... are merged pairwise by rank: an
+// item's place in the merged run is its index in its own run plus the number of items of
+// the partner run that are better (a branchless binary search: the partner run is sorted
+// and the order is total), so every level is one read pass and one write pass. v3c
+// ran the whole bitonic network (45 stages at P 512, ten through shared memory, every
+// warp in every stage): 19k cycles at budget 256, 72k at 1024. Host: the plain network.
 constexpr int TS_SORT_SLOTS = 4;  // items a thread holds: cap / threads <= 2048 / 512
-
-#ifdef __CUDA_ARCH__
-__device__ __forceinline__ void sort_stage_smem(const Threshold& t, int P, int k, int j, int tid, int nthreads) {
-  for (int q = tid; q < P / 2; q += nthreads) {
-    const int i = ((q & ~(j - 1)) << 1) | (q & (j - 1)), l = i | j;
-    const SortItem a = t.items[i], b = t.items[l];
-    if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
-  }
-  __syncthreads();
-}
-#endif
 
 KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   const int cap = t.cap;
@@ -418,41 +412,55 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   int P = 32;
   while (P < m) P <<= 1;
   SortItem it[TS_SORT_SLOTS];
+  int pos[TS_SORT_SLOTS];
+  const int warp_first = tid & ~31;
 #pragma unroll
   for (int s = 0; s < TS_SORT_SLOTS; ++s) {
     const int e = s * nthreads + tid;
+    pos[s] = e;
     it[s] = e < m ? SortItem{t.score[e + 1], t.keys[(size_t)(e + 1) * KEY_WORDS], e + 1, 0}
                   : SortItem{-INFINITY, 0, cap + e, 0};
-  }
-  for (int k = 2; k <= P; k <<= 1) {
-    int j = k >> 1;
-    if (j >= 32) {  // partners in other warps (or slots): through shared memory
-#pragma unroll
-      for (int s = 0; s < TS_SORT_SLOTS; ++s)
-        if (s * nthreads + tid < P) t.items[s * nthreads + tid] = it[s];
-      __syncthreads();
-      for (; j >= 32; j >>= 1) sort_stage_smem(t, P, k, j, tid, nthreads);
-#pragma unroll
-      for (int s = 0; s < TS_SORT_SLOTS; ++s)
-        if (s * nthreads + tid < P) it[s] = t.items[s * nthreads + tid];
-    }
-    for (; j > 0; j >>= 1) {
-#pragma unroll
-      for (int s = 0; s < TS_SORT_SLOTS; ++s) {
-        if (s * nthreads >= P) break;  // warp-uniform: P and nthreads are multiples of 32
-        const int e = s * nthreads + tid;
+    if (s * nthreads + warp_first >= P) continue;  // warp-uniform: the warp holds no position < P
+    for (int k = 2; k <= 32; k <<= 1)
+      for (int j = k >> 1; j > 0; j >>= 1) {
         SortItem o;
         o.score = __shfl_xor_sync(FULL_MASK, it[s].score, j);
         o.k0 = __shfl_xor_sync(FULL_MASK, it[s].k0, j);
         o.idx = __shfl_xor_sync(FULL_MASK, it[s].idx, j);
-        const bool take_better = ((e & j) == 0) == ((e & k) == 0);
-        if (e < P && item_better(t, o, it[s]) == take_better) it[s] = o;
+        // Directions from the lane, not the position: every run ends up best first.
+        const int lane = tid & 31;
+        const bool take_better = ((lane & j) == 0) == ((lane & k) == 0);
+        if (item_better(t, o, it[s]) == take_better) it[s] = o;
       }
+  }
+  for (int run = 32; run < P; run <<= 1) {
+#pragma unroll
+    for (int s = 0; s < TS_SORT_SLOTS; ++s)
+      if (pos[s] < P) t.items[pos[s]] = it[s];
+    __syncthreads();
+    int next[TS_SORT_SLOTS], cnt[TS_SORT_SLOTS], other[TS_SORT_SLOTS];
+#pragma unroll
+    for (int s = 0; s < TS_SORT_SLOTS; ++s) {
+      const int base = pos[s] & ~(2 * run - 1), within = pos[s] - base;
+      other[s] = base + (within < run ? run : 0);
+      next[s] = base + (within & (run - 1));
+      cnt[s] = 0;
     }
+    // cnt = how many of the partner run are better: steps run/2, ..., 1, then one more.
+    for (int step = run >> 1; step > 0; step >>= 1)
+#pragma unroll
+      for (int s = 0; s < TS_SORT_SLOTS; ++s)
+        if (pos[s] < P && item_better(t, t.items[other[s] + cnt[s] + step - 1], it[s])) cnt[s] += step;
+#pragma unroll
+    for (int s = 0; s < TS_SORT_SLOTS; ++s)
+      if (pos[s] < P && item_better(t, t.items[other[s] + cnt[s]], it[s])) cnt[s] += 1;
+    __syncthreads();  // every read of this level is done before the items move
+#pragma unroll
+    for (int s = 0; s < TS_SORT_SLOTS; ++s) pos[s] = next[s] + cnt[s];
   }
 #pragma unroll
   for (int s = 0; s < TS_SORT_SLOTS; ++s)
-    if (s * nthreads + tid < P) t.items[s * nthreads + tid] = it[s];
+    if (pos[s] < P) t.items[pos[s]] = it[s];
   __syncthreads();
 #else
   (void)nthreads;
@@ -479,12 +487,70 @@ KD_HD bool block_any(bool x) {
 #endif
 }
 
-// One request's selection over staged, certified rows (L <= KEY_DEPTH). Writes the pops to
+// A start for tau at least as high as `tau` (itself a lower bound of the budget-th best
+// score): the highest of a few pivots x for which the nodes 0^d r (the first-child chain
+// to depth d, then rank r at depth d + 1; real nodes, scores computed as the heap does)
+// number >= budget. The budget-th best of any set of tree nodes is <= the tree's, so x is
+// a lower bound too. Two rounds, one pivot a warp (lane d counts depth d by a binary
+// search), narrow [tau, lp[0][0]] 17-fold each. On sweep-like inputs this cuts the
+// requests whose first enumeration overflows (and takes a raise) 2-3x, for ~5k cycles:
+// worth it where the slowest of many requests sets the time, or raises are frequent and
+// dear (budget >= 256); the caller decides (kernels/NOTES.md). An exact budget-th best of
+// the L * keff chain nodes by radix passes cost 5-14k cycles more than that.
+KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
+  if (tid == 0) {  // chain scores into the (not yet used) node score buffer; L < cap
+    double c = 0.0;
+    for (int d = 0; d < L; ++d) { t.score[d] = c; c = KD_DADD(c, (double)t.lp[d * t.ld]); }
+  }  // (read after the first barrier below)
+  double* xs = t.score + L;  // the pivots (at most 32: L + 32 <= 48 < cap)
+  int* counts = t.scratch;   // nodes >= each pivot
+  double lo = tau, hi = (double)t.lp[0];
+#ifdef __CUDA_ARCH__
+  const int pivots = min(nthreads >> 5, 32), lane = tid & 31, w = tid >> 5;
+#else
+  const int pivots = 16;
+#endif
+  const double step = 1.0 / (pivots + 1);
+  for (int round = 0; round < 2 && hi > lo; ++round) {
+    // Pivot v at lo + (v + 1) / (pivots + 1) of the bracket; stored, so that the bound
+    // taken below is exactly a pivot that was counted.
+#ifdef __CUDA_ARCH__
+    if (lane == 0 && w < pivots) xs[w] = lo + (hi - lo) * ((w + 1) * step);
+#else
+    for (int v = 0; v < pivots; ++v) xs[v] = lo + (hi - lo) * ((v + 1) * step);
+#endif
+    KD_BARRIER();
+#ifdef __CUDA_ARCH__
+    if (w < pivots) {
+      int c = lane < L ? count_children(t.lp + lane * t.ld, keff, t.score[lane], xs[w]) : 0;
+      for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(FULL_MASK, c, o);
+      if (lane == 0) counts[w] = c;
+    }
+#else
+    for (int v = 0; v < pivots; ++v) {
+      int c = 0;
+      for (int d = 0; d < L; ++d) c += count_children(t.lp + d * t.ld, keff, t.score[d], xs[v]);
+      counts[v] = c;
+    }
+#endif
+    KD_BARRIER();
+    int best = -1;  // the highest pivot that holds `budget` (counts fall as pivots rise)
+    for (int v = 0; v < pivots; ++v)
+      if (counts[v] >= budget) best = v;
+    if (best + 1 < pivots) hi = xs[best + 1];
+    if (best >= 0) lo = xs[best];
+    KD_BARRIER();  // pivots and counts are rewritten next round
+  }
+  return lo > tau ? lo : tau;
+}
+
+// One request's selection over staged, certified rows (L <= KEY_DEPTH); chain_start: raise
+// the first tau by chain_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
 KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
-                           int tid, int nthreads, int* stats) {
+                           int tid, int nthreads, int* stats, bool chain_start) {
   const int keff = min(budget, K);
   if (budget <= 0 || L == 0 || keff == 0) return 0;
   const int cap = t.cap;
@@ -493,6 +559,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   double whole = -1.0;
   for (int d = 0; d < L; ++d) whole = KD_DADD(whole, (double)t.lp[d * t.ld + keff - 1]);
   double tau = keff >= budget ? (double)t.lp[budget - 1] : whole;
+  if (chain_start && (long long)L * keff >= budget) tau = chain_bound(t, L, keff, budget, tau, tid, nthreads);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
   double lo = tau, hi = (double)t.lp[0];
