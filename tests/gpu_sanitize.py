@@ -25,7 +25,7 @@ def main():
     target2 = torch.where(wide.next_token >= 0, wide.tokens.gather(1, wide.next_token.clamp(min=0)), 0)
     ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target2, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
-    for path, splits in (("auto", 1), ("auto", 3), ("auto", 12), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 12)):
+    for path, splits in (("auto", 1), ("auto", 3), ("auto", 40), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 40)):
         ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility, 0.130861, num_splits=splits)

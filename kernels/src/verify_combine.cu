@@ -1,11 +1,13 @@
 // Merge the key splits of each query row by their LSEs (spec verify_attention.md):
 // out = sum_s exp(lse_s - lse) * o_s, lse = log sum_s exp(lse_s).
 //
-// Work split: each lane takes 4 value columns (a float4). With fewer than 8 splits a CTA
-// of 4 warps takes a whole row (a column quarter a warp, all splits); with 8 or more a
-// CTA of 8 warps takes a quarter of a row and its warps split the splits (warp w sums
-// splits w, w + 8, ...), so each lane has up to 8 independent loads in flight; the
-// warps' sums then meet in shared memory.
+// Work split: each lane takes 4 value columns (a float4). With fewer than 32 splits a
+// CTA of 4 warps takes a whole row (a column quarter a warp, all splits); with 32 or more
+// a CTA of 8 warps takes a quarter of a row and its warps split the splits (warp w sums
+// splits w, w + 8, ...), so each lane has 4-16 independent loads in flight; the warps'
+// sums then meet in shared memory. (From 8 splits on, the quarter layout cost 10-50% at
+// batch 1 with 8-16 row tiles, H200 reference run at 30039d9: four times the CTAs, each
+// redoing the LSE reductions for one load a lane.)
 // v2 had one 128-thread CTA a row walk all the splits: 13.7 us at batch 1 for H 8, D 1,
 // P 8k with 128 splits on an H200 (the attention kernel itself took 10 us).
 #include "mma.cuh"
@@ -80,10 +82,12 @@ verify_combine_kernel(const float* __restrict__ part_out, const float* __restric
   }
 }
 
+constexpr int QUARTER_SPLITS = 32;  // from here on a CTA takes a quarter row
+
 }  // namespace
 
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st) {
-  const bool many = p.num_splits >= COMBINE_WARPS;
+  const bool many = p.num_splits >= QUARTER_SPLITS;
   const int quarters = many ? 1 : 4;
   verify_combine_kernel<<<dim3(4 / quarters, p.R, B), 32 * (many ? COMBINE_WARPS : 4), 0, st>>>(
       p.part_out, p.part_lse, p.R, p.num_splits, quarters, p.out, p.lse);
