@@ -17,6 +17,7 @@ namespace kd {
 namespace {
 
 constexpr int COMBINE_WARPS = 8;  // at most
+static_assert(4 * 32 >= MAX_SPLITS, "a combine CTA (4 or 8 warps) reads one split LSE a thread");
 constexpr int QUARTER = V_DIM / 4;  // value columns of a warp: 32 lanes x float4
 
 // quarters: column quarters a CTA covers (1: 8 warps, 8 split groups; 4: 4 warps, 1 group).
@@ -34,22 +35,18 @@ verify_combine_kernel(const float* __restrict__ part_out, const float* __restric
   const size_t base = (size_t)b * num_splits * R + row;  // + s * R
 
   // Block max of the split LSEs, then the sum of their exponentials (each CTA of a row
-  // does this itself: at most 128 floats).
-  float m = -INFINITY;
-  for (int s = tid; s < num_splits; s += blockDim.x) m = fmaxf(m, part_lse[base + (size_t)s * R]);
+  // does this itself). A CTA has at least MAX_SPLITS threads, so each thread reads at
+  // most one LSE, once, and keeps it in a register for both passes.
+  const float my_lse = tid < num_splits ? part_lse[base + (size_t)tid * R] : -INFINITY;
+  float m = my_lse;
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) s_red[warp] = m;
   __syncthreads();
   m = s_red[0];
   for (int w = 1; w < nw; ++w) m = fmaxf(m, s_red[w]);
   __syncthreads();
-  float tot = 0.f;
-  for (int s = tid; s < num_splits; s += blockDim.x) {
-    const float l = part_lse[base + (size_t)s * R];
-    const float e = l == -INFINITY ? 0.f : exp2f((l - m) * LOG2E);
-    s_w[s] = e;
-    tot += e;
-  }
+  float tot = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
+  if (tid < num_splits) s_w[tid] = tot;
   for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
   if (lane == 0) s_red[warp] = tot;
   __syncthreads();
