@@ -31,6 +31,13 @@ def _gpu_rows(d: pd.DataFrame | None, **sel) -> pd.DataFrame:
     return d[m]
 
 
+def _typical_draft(d: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Accept rows at the sweep's highest follow rate (a draft that is mostly right)."""
+    if d is None or "follow" not in d:
+        return d
+    return d[d.follow == d.follow.max()]
+
+
 def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     """Probe summary + this run's sweeps; GPU kernel times from `kernel_times_dir` (e.g. the
     committed H200 reference set) when this run has none (a CPU-only machine)."""
@@ -45,14 +52,14 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     s = probe.iloc[-1]
     batch, budget = int(s.get("concurrency", 1) or 1), int(s.get("tree_budget", 0) or 0)
     budget = budget if budget > 0 else 64   # the server did not say: a common budget
-    acc = read_ok_rows(rd / "tree_accept.parquet")
+    acc = _typical_draft(read_ok_rows(rd / "tree_accept.parquet"))
     gpu_tree = _gpu_rows(tree, metric="device_time")
     gpu_acc = _gpu_rows(acc)
     source = "this run"
     if gpu_tree.empty and kernel_times_dir and (pathlib.Path(kernel_times_dir) / "tree_build.parquet").exists():
         kt = pathlib.Path(kernel_times_dir)
         gpu_tree = _gpu_rows(read_ok_rows(kt / "tree_build.parquet"), metric="device_time")
-        gpu_acc = _gpu_rows(read_ok_rows(kt / "tree_accept.parquet"))
+        gpu_acc = _gpu_rows(_typical_draft(read_ok_rows(kt / "tree_accept.parquet")))
         names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
         source = f"{kt} ({', '.join(names) or 'GPU'})"
     cpu = _nearest(tree[tree.impl == "cpu_heapq"], batch=batch, budget=budget)

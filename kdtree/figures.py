@@ -93,10 +93,17 @@ def tree_accept(df: pd.DataFrame, path):
     d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree accept", "no measured rows")
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    sns.lineplot(d, x="batch", y="median_us", hue="impl", style="D", marker="o", ax=ax)
-    ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
-           title=f"Greedy tree accept ({_gpu_label(df)})")
+    if "follow" not in d:   # sweeps before the follow-rate axis: one rate, 0.85
+        d = d.assign(follow=0.85)
+    rates = sorted(d.follow.unique(), reverse=True)
+    fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4), squeeze=False,
+                             sharey=True)
+    for ax, rate in zip(axes[0], rates):
+        sns.lineplot(d[d.follow == rate], x="batch", y="median_us", hue="impl", style="D",
+                     marker="o", ax=ax)
+        ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
+               title=f"targets follow the first child: {rate:.0%}")
+    fig.suptitle(f"Greedy tree accept ({_gpu_label(df)})")
     _save(fig, path)
 
 

@@ -41,7 +41,8 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         parts += ["## Tree-verify attention", "", _md(d[cols].sort_values(cols[:6])), ""]
     d = read_ok_rows(rd / "tree_accept.parquet")
     if d is not None:
-        piv = d.pivot_table(index=["batch", "D"], columns="impl", values="median_us")
+        keys = ["batch", "D"] + (["follow"] if "follow" in d else [])
+        piv = d.pivot_table(index=keys, columns="impl", values="median_us")
         parts += ["## Tree accept (median per batch, us)", "", _md(piv.reset_index()), ""]
     d = read_ok_rows(rd / "round.parquet")
     if d is not None:

@@ -24,6 +24,13 @@ def main():
     # D 257: a CTA each; the target follows first children.
     target2 = torch.where(wide.next_token >= 0, wide.tokens.gather(1, wide.next_token.clamp(min=0)), 0)
     ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target2, 15)
+    # Random targets (long sibling scans), then lists that are not a tree.
+    target3 = torch.randint(0, 8192, wide.tokens.shape, device="cuda")
+    ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target3, 15)
+    ns = wide.next_sibling.clone()
+    first = int(wide.next_token[0, 0])
+    ns[0, first] = 0                        # a sibling link back to the root: not a tree
+    ops.tree_accept(wide.tokens, wide.next_token, ns, target3, 15)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
     for path, splits in (("auto", 1), ("auto", 3), ("auto", 40), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 40)):
         ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel

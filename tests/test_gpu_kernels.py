@@ -277,12 +277,14 @@ def capped_walk(cand, nt, ns, target, max_depth):
 
 @pytest.mark.parametrize("corruption", ["cycle", "two_preds", "root_link", "child_and_sibling",
                                         "out_of_range", "none"])
-def test_tree_accept_cta_path_on_trees_and_corrupt_lists(ops, corruption):
-    """D > 64 (a CTA per request): the walk equals the reference on trees (duplicate tokens
-    among siblings: the first in list order wins) and the capped walk on lists that are not
-    a forest (requests 0-2 here: cycles, two predecessors, links to the root or out of range)."""
-    rng = np.random.default_rng(sum(map(ord, corruption)))
-    B, D, V = 6, 200, 3
+@pytest.mark.parametrize("D", [50, 200, 2500])
+def test_tree_accept_on_trees_and_corrupt_lists(ops, corruption, D):
+    """Both staged paths (D 50: a warp per request; 200 and 2500: a CTA, 2500 close to the
+    shared-memory limit): the walk equals the reference on trees (duplicate tokens among
+    siblings: the first in list order wins) and the capped walk on lists that are not a
+    forest (requests 0-2 here: cycles, two predecessors, links to the root or out of range)."""
+    rng = np.random.default_rng(sum(map(ord, corruption)) + D)
+    B, V = 6, 3
     cand, nt, ns = random_lcrs(rng, B, D, V)
     target = rng.integers(0, V, size=(B, D))
     for b in range(B):           # mostly follow the first child: deep walks
@@ -317,6 +319,86 @@ def test_tree_accept_cta_path_on_trees_and_corrupt_lists(ops, corruption):
         for g, w in zip(got, valid_want):
             assert np.array_equal(g.cpu().numpy(), w)
         assert want[1].max() >= 2     # the walks went below the root's children
+
+
+def walk_visits(nt, ns, cand, target, max_depth):
+    """Slots the serial walk tests, per request (on trees)."""
+    out = []
+    for b in range(cand.shape[0]):
+        cur, k, child, n = 0, 0, nt[b, 0], 0
+        while child != -1 and k < max_depth:
+            n += 1
+            if cand[b, child] == target[b, cur]:
+                cur, k, child = child, k + 1, nt[b, child]
+            else:
+                child = ns[b, child]
+        out.append(n)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("order", ["slot", "shuffled"])
+@pytest.mark.parametrize("D", [65, 300, 1500, 2500])
+def test_tree_accept_long_sibling_scans(ops, D, order):
+    """Wide nodes and targets that match late siblings: walks test many slots, through
+    lists in slot order or (shuffled) not, and equal the reference."""
+    rng = np.random.default_rng(D + (order == "shuffled"))
+    B, V = 8, 40
+    nt = np.full((B, D), -1, np.int64)
+    ns = np.full((B, D), -1, np.int64)
+    cand = rng.integers(0, V, size=(B, D))
+    target = rng.integers(0, V, size=(B, D))
+    for b in range(B):
+        last, kids = {}, {}
+        for i in range(1, D):
+            # a quarter to the root, the rest to a slot in [i/3, i/2): long lists, some depth
+            p = 0 if i < 4 or rng.random() < 0.25 else int(rng.integers(i // 3, i // 2))
+            if p in last:
+                ns[b, last[p]] = i
+            else:
+                nt[b, p] = i
+            last[p] = i
+            kids.setdefault(p, []).append(i)
+        for p, ks in kids.items():                       # mostly a late child's token
+            if rng.random() < 0.9:
+                target[b, p] = cand[b, ks[int(rng.integers(len(ks) // 2, len(ks)))]]
+        if order == "shuffled":                          # relabel slots 1.. at random
+            perm = np.concatenate([[0], 1 + rng.permutation(D - 1)])   # old slot -> new slot
+            relabel = lambda a: np.where(a >= 0, perm[np.maximum(a, 0)], -1)
+            inv = np.argsort(perm)
+            nt[b], ns[b] = relabel(nt[b])[inv], relabel(ns[b])[inv]
+            cand[b], target[b] = cand[b][inv], target[b][inv]
+    want = greedy_accept_batch(cand, nt, ns, target, 15)
+    for g, w in zip(want, capped_walk(cand, nt, ns, target, 15)):
+        assert np.array_equal(g, w)
+    assert walk_visits(nt, ns, cand, target, 15).max() > 16 and want[1].max() >= 2
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64)).to(DEV)
+    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), 15)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
+
+
+@pytest.mark.parametrize("D", [5, 101, 1502])
+def test_tree_accept_step_cap_with_a_self_loop(ops, D):
+    """The D-step cap on a list that is not a tree: slot 1 (token 5) and its sibling 2
+    (token 7) both have slot 1 as first child, and the targets alternate 5, 7, so matches
+    cost 1 and 2 steps in turn; with D = 2 (mod 3) the cap leaves one step when the match
+    is the second sibling, which must then not be taken."""
+    cand = np.zeros((2, D), np.int64)
+    nt = np.full((2, D), -1, np.int64)
+    ns = np.full((2, D), -1, np.int64)
+    target = np.zeros((2, D), np.int64)
+    cand[:, 1:3] = [5, 7]
+    target[:, :3] = [5, 7, 5]
+    nt[:, 0:3] = 1
+    ns[:, 1] = 2
+    target[1, 0] = 7               # request 1 matches the second sibling first
+    max_depth = D + 10             # so the step cap ends the walk, not the depth
+    want = capped_walk(cand, nt, ns, target, max_depth)
+    assert want[1][0] == 2 * (D // 3) + 1   # request 0: one step left for a two-step visit
+    t = lambda a: torch.as_tensor(a).to(DEV)
+    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), max_depth)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
 
 
 def test_tree_accept_corrupt_links_end_the_walk(ops):

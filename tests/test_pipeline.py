@@ -85,15 +85,18 @@ def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
     assert set(tb.batch) == {1, 2} and set(tb.impl) == {"cpu_heapq", "sglang", "gpu_kernel"}
     assert (tb[tb.impl == "gpu_kernel"].status == "skipped").all()
     assert (tb[tb.impl == "cpu_heapq"].median_us > 0).all()
-    tree_accept.run({"batches": [1, 3], "slots": [5], "L": 4, "seed": 0, "cpu_reps": 1, "cpu_max_seconds": 1,
-                     "gpu_replays": 2}, tmp_path / "tree_accept.parquet", gpu=False)
+    tree_accept.run({"batches": [1, 3], "slots": [5], "follow_rates": [0.85, 0.0], "L": 4, "seed": 0,
+                     "cpu_reps": 1, "cpu_max_seconds": 1, "gpu_replays": 2},
+                    tmp_path / "tree_accept.parquet", gpu=False)
+    ta = pd.read_parquet(tmp_path / "tree_accept.parquet")
+    assert sorted(ta.follow.unique()) == [0.0, 0.85] and len(ta) == 2 * 2 * 2   # 2 rates x 2 batches x 2 impls
     skipped = render_all(tmp_path)
     assert (tmp_path / "figures" / "tree_build.png").stat().st_size > 10_000
     assert (tmp_path / "figures" / "tree_accept.png").exists()
     assert any("verify_attn" in s for s in skipped)
     cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
     text = (tmp_path / "report.md").read_text()
-    assert "## Tree build" in text and "## Tree accept" in text
+    assert "## Tree build" in text and "## Tree accept" in text and "follow" in text
 
 
 def test_breakdown_is_an_amdahl_projection(tmp_path):

@@ -60,3 +60,13 @@ def test_tree_and_accept_targets(tmp_path):
     assert _status(t, "tree build, caller latency") == MET
     assert _status(t, "tree accept, device time") == MET
     assert _status(t, "one round in one CUDA graph") == MET
+
+
+def test_accept_target_covers_every_follow_rate(tmp_path):
+    """Fast deep walks do not hide slow random-target walks: one point over 3 us fails it."""
+    pd.DataFrame([dict(batch=256, D=257, follow=0.85, impl="gpu_kernel", median_us=2.5, status="ok"),
+                  dict(batch=256, D=257, follow=0.0, impl="gpu_kernel", median_us=3.4, status="ok")]
+                 ).to_parquet(tmp_path / "tree_accept.parquet")
+    t = check_targets(tmp_path).set_index("target").loc["tree accept, device time"]
+    assert t.status == NOT_MET
+    assert "follow 0.85: max 2.5 us" in t.measured and "follow 0: max 3.4 us" in t.measured

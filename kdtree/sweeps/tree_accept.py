@@ -1,4 +1,8 @@
-"""Greedy accept: the CPU walk against the GPU kernel, over batch x D."""
+"""Greedy accept: the CPU walk against the GPU kernel, over batch x D x follow rate.
+
+The follow rate is how often a node's target is its first child's token: 0.85 gives the
+deep walks of a good draft; 0 gives random targets (a draft wrong early), where the walk
+passes over most of a node's children before it matches or gives up: the slow case."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,22 +14,25 @@ from ..workloads import stage_a_inputs
 from .runner import run_sweep
 
 
-def case(B: int, budget: int, cfg: dict):
+DEFAULT_FOLLOW_RATES = (0.85,)
+
+
+def case(B: int, budget: int, cfg: dict, follow: float = 0.85):
     V = 64
     lp, ids = stage_a_inputs(B, cfg["L"], V, budget, seed=cfg["seed"] + B + budget)
     tb = build_trees(lp, ids, np.full(B, budget), root_tokens=np.zeros(B, np.int64))
     rng = np.random.default_rng(B * 31 + budget)
     target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
-    for b in range(B):   # follow first children, so walks go deep as they do in real use
+    for b in range(B):   # follow first children at the given rate
         for i in range(tb.D):
-            if tb.next_token[b, i] != -1 and rng.random() < 0.85:
+            if tb.next_token[b, i] != -1 and rng.random() < follow:
                 target[b, i] = tb.tokens[b, tb.next_token[b, i]]
     return tb, target
 
 
 def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     B, budget, L = p["batch"], p["D"] - 1, cfg["L"]
-    tb, target = case(B, budget, cfg)
+    tb, target = case(B, budget, cfg, p["follow"])
     args = (tb.tokens, tb.next_token, tb.next_sibling, target, L)
     cpu = time_cpu(lambda: greedy_accept_batch(*args), reps=cfg["cpu_reps"],
                    max_seconds=cfg["cpu_max_seconds"])
@@ -47,6 +54,8 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
 
 def run(cfg: dict, out_path, gpu: bool | None = None, library=None):
     gpu = cuda_available() if gpu is None else gpu
-    points = [{"batch": int(B), "D": int(D)} for B in cfg["batches"] for D in cfg["slots"]]
+    rates = cfg.get("follow_rates", DEFAULT_FOLLOW_RATES)
+    points = [{"batch": int(B), "D": int(D), "follow": float(f)}
+              for f in rates for B in cfg["batches"] for D in cfg["slots"]]
     return run_sweep("tree_accept", points, lambda p: measure_point(p, cfg, gpu), out_path, cfg,
                      library if gpu else None, extra={"L": cfg["L"]})
