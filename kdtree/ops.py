@@ -58,7 +58,15 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+# The current stream's raw handle by device index: torch's own accessor (what Triton's
+# launcher calls) took 0.22 us where torch.cuda.current_stream(device) took 5.9 us on the
+# H200 host, a tenth of a small build's caller latency. Absent in CPU builds of torch.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(device) -> int:
+    if _raw_stream is not None and device.index is not None:
+        return _raw_stream(device.index)
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -71,12 +79,25 @@ def _check(rc: int, what: str) -> None:
 
 def _tensor(name, t, dtype, shape, device=None):
     """Checks a kernel argument; the common (valid) case costs a few attribute reads, since
-    these checks sit on every launch's host path (the caller latency the sweeps report)."""
+    these checks sit on every launch's host path (the caller latency the sweeps report).
+    A fully given shape compares as one tuple (a generator over the dims cost ~4x more)."""
     if (isinstance(t, torch.Tensor) and t.dtype is dtype and t.is_cuda
-            and (device is None or t.device == device) and len(t.shape) == len(shape)
-            and all(s is None or a == s for a, s in zip(t.shape, shape)) and t.is_contiguous()):
+            and (device is None or t.device == device) and _shape_matches(t.shape, shape)
+            and t.is_contiguous()):
         return t
     _explain(name, t, dtype, shape, device)  # raises
+
+
+def _shape_matches(got, shape) -> bool:
+    """got (a torch.Size) against shape, whose None entries match any size."""
+    if got == shape:
+        return True
+    if len(got) != len(shape):
+        return False
+    for a, s in zip(got, shape):
+        if s is not None and a != s:
+            return False
+    return True
 
 
 def _explain(name, t, dtype, shape, device):

@@ -193,6 +193,26 @@ def test_tree_build_argument_errors(ops):
         ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), b, d_max=2000)
 
 
+def test_launches_go_to_the_callers_stream(ops):
+    """Kernels launch on the caller's current stream (a side stream, a graph capture's)."""
+    dev = torch.zeros(1, device=DEV).device          # with its index
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert ops._stream(dev) == side.cuda_stream
+    assert ops._stream(dev) == torch.cuda.current_stream(dev).cuda_stream
+    # a build queued behind a slow op on a side stream sees that op's result
+    lp, ids = stage_a_inputs(2, 15, 300, 16, seed=5)
+    lp, ids = lp.to(DEV), ids.to(DEV)
+    budgets = torch.zeros(2, dtype=torch.int32, device=DEV)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000)                 # ~1 ms of GPU time before the fill
+        budgets.fill_(16)
+        trees = ops.build_trees_gpu(lp, ids, budgets, d_max=17)
+    side.synchronize()
+    assert trees.node_counts.tolist() == [16, 16]        # 0 had it run before the fill
+
+
 # ---------------------------------------------------------------- accept
 def random_accept_case(rng, B, budget, V=40):
     lp, ids = stage_a_inputs(B, 15, V, budget, seed=int(rng.integers(1 << 30)), coarse_fraction=0.5)
