@@ -17,7 +17,7 @@ from .runner import run_sweep
 DEFAULT_FOLLOW_RATES = (0.85,)
 
 
-def case(B: int, budget: int, cfg: dict, follow: float = 0.85):
+def case(B: int, budget: int, cfg: dict, follow: float = DEFAULT_FOLLOW_RATES[0]):
     V = 64
     lp, ids = stage_a_inputs(B, cfg["L"], V, budget, seed=cfg["seed"] + B + budget)
     tb = build_trees(lp, ids, np.full(B, budget), root_tokens=np.zeros(B, np.int64))
