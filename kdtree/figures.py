@@ -11,6 +11,7 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
 from .results import ok_rows  # noqa: E402
+from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
 
 
 def _gpu_label(df: pd.DataFrame) -> str:
@@ -93,8 +94,8 @@ def tree_accept(df: pd.DataFrame, path):
     d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree accept", "no measured rows")
-    if "follow" not in d:   # sweeps before the follow-rate axis: one rate, 0.85
-        d = d.assign(follow=0.85)
+    if "follow" not in d:   # sweeps before the follow-rate axis had the default rate
+        d = d.assign(follow=DEFAULT_FOLLOW_RATES[0])
     rates = sorted(d.follow.unique(), reverse=True)
     fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4), squeeze=False,
                              sharey=True)
