@@ -31,6 +31,14 @@ def _gpu_rows(d: pd.DataFrame | None, **sel) -> pd.DataFrame:
     return d[m]
 
 
+def _accept_kernel(d: pd.DataFrame | None) -> pd.DataFrame:
+    """GPU accept rows: the parents kernel (the round's) where the sweep has it."""
+    if d is None or d.empty:
+        return pd.DataFrame()
+    impl = "gpu_kernel_parents" if (d.impl == "gpu_kernel_parents").any() else "gpu_kernel"
+    return d[d.impl == impl]
+
+
 def _typical_draft(d: pd.DataFrame | None) -> pd.DataFrame | None:
     """Accept rows at the sweep's highest follow rate (a draft that is mostly right)."""
     if d is None or "follow" not in d:
@@ -54,12 +62,12 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     budget = budget if budget > 0 else 64   # the server did not say: a common budget
     acc = _typical_draft(read_ok_rows(rd / "tree_accept.parquet"))
     gpu_tree = _gpu_rows(tree, metric="device_time")
-    gpu_acc = _gpu_rows(acc)
+    gpu_acc = _accept_kernel(acc)
     source = "this run"
     if gpu_tree.empty and kernel_times_dir and (pathlib.Path(kernel_times_dir) / "tree_build.parquet").exists():
         kt = pathlib.Path(kernel_times_dir)
         gpu_tree = _gpu_rows(read_ok_rows(kt / "tree_build.parquet"), metric="device_time")
-        gpu_acc = _gpu_rows(_typical_draft(read_ok_rows(kt / "tree_accept.parquet")))
+        gpu_acc = _accept_kernel(_typical_draft(read_ok_rows(kt / "tree_accept.parquet")))
         names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
         source = f"{kt} ({', '.join(names) or 'GPU'})"
     cpu = _nearest(tree[tree.impl == "cpu_heapq"], batch=batch, budget=budget)

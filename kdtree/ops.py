@@ -43,11 +43,13 @@ def lib() -> ctypes.CDLL:
     so = ctypes.CDLL(str(path))
     so.kd_build_trees.argtypes = [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P]
     so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
+    so.kd_tree_accept_parents.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
     so.kd_verify_tile.argtypes = [_I] + [ctypes.POINTER(_I)] * 3
     so.kd_build_set_smem_limit.argtypes = [_I]
     so.kd_verify_set_path.argtypes = [_I]
-    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_verify_attention, so.kd_verify_tile,
+    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_tree_accept_parents,
+              so.kd_verify_attention, so.kd_verify_tile,
               so.kd_build_set_smem_limit, so.kd_verify_set_path):
         f.restype = _I
     return so
@@ -216,16 +218,54 @@ def tree_accept(candidates, next_token, next_sibling, target, max_depth: int):
     B, D = c.shape
     for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("target", target)):
         _tensor(name, t, torch.int64, (B, D), dev)
-    if not isinstance(max_depth, int) or max_depth < 0:
-        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
-    accept_index = torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev)
-    accept_len = torch.empty(B, dtype=torch.int32, device=dev)
-    bonus = torch.empty(B, dtype=torch.int64, device=dev)
+    accept_index, accept_len, bonus = _accept_outputs(B, max_depth, dev, None)
     rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), _ptr(target), B, D,
                               max_depth, _ptr(accept_index), _ptr(accept_len), _ptr(bonus),
                               _stream(dev))
     _check(rc, "tree_accept")
     return accept_index, accept_len, bonus
+
+
+ACCEPT_PARENTS_MAX_SLOTS = 4096  # kd_tree_accept_parents keeps 12 bytes a slot in shared memory
+
+
+def tree_accept_parents(candidates, parents, node_counts, target, max_depth: int, out=None):
+    """Greedy accept from parent indices (the build's ``parents`` and ``node_counts``):
+    ``tree_accept``'s result on trees whose lists give children in ascending slot order.
+
+    Every slot tests its own token against its parent's target at once, so the time does
+    not grow with the siblings a list walk passes over. Nodes are slots ``1..n``
+    (``n = node_counts[b]``); a slot outside them, or whose parent is not in ``[0, i)``,
+    is not in the tree. ``out``: preallocated ``(accept_index, accept_len, bonus)``.
+    """
+    c = _tensor("candidates", candidates, torch.int64, (None, None))
+    dev = c.device
+    B, D = c.shape
+    _tensor("parents", parents, torch.int32, (B, D), dev)
+    _tensor("node_counts", node_counts, torch.int32, (B,), dev)
+    _tensor("target", target, torch.int64, (B, D), dev)
+    if D > ACCEPT_PARENTS_MAX_SLOTS:
+        raise InputError(f"candidates: expected at most {ACCEPT_PARENTS_MAX_SLOTS} slots a request "
+                         f"for the parents form, got D = {D} (tree_accept walks lists of any width)")
+    accept_index, accept_len, bonus = _accept_outputs(B, max_depth, dev, out)
+    rc = lib().kd_tree_accept_parents(_ptr(c), _ptr(parents), _ptr(node_counts), _ptr(target), B,
+                                      D, max_depth, _ptr(accept_index), _ptr(accept_len),
+                                      _ptr(bonus), _stream(dev))
+    _check(rc, "tree_accept_parents")
+    return accept_index, accept_len, bonus
+
+
+def _accept_outputs(B, max_depth, dev, out):
+    if not isinstance(max_depth, int) or max_depth < 0:
+        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
+    if out is None:
+        return (torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev),
+                torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
+    if not isinstance(out, (tuple, list)) or len(out) != 3:
+        raise InputError("out: expected a tuple (accept_index, accept_len, bonus)")
+    return (_tensor("out[0] (accept_index)", out[0], torch.int32, (B, max_depth + 1), dev),
+            _tensor("out[1] (accept_len)", out[1], torch.int32, (B,), dev),
+            _tensor("out[2] (bonus)", out[2], torch.int64, (B,), dev))
 
 
 # ---------------------------------------------------------------- attention

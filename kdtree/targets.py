@@ -89,19 +89,32 @@ def _build_targets(t: pd.DataFrame | None) -> list[dict]:
     return out
 
 
+# The accept kernels: from the build's parents (what the round uses), and the walk over
+# the left-child / right-sibling lists (SGLang's input form). Each is reported; the target
+# is met when one of them meets it at every point.
+ACCEPT_KERNELS = {"gpu_kernel_parents": "from parents", "gpu_kernel": "list walk"}
+
+
 def _accept_targets(a: pd.DataFrame | None) -> list[dict]:
     name = ("tree accept, device time", "B <= 256, D <= 257", "<= 3 us per batch")
     if a is None:
         return [_row(*name, "-", None)]
-    g = a[(a.impl == "gpu_kernel") & (a.batch <= 256) & (a.D <= 257)]
+    g = a[a.impl.isin(list(ACCEPT_KERNELS)) & (a.batch <= 256) & (a.D <= 257)]
     if g.empty:
         return [_row(*name, "-", None)]
-    ok = int((g.median_us <= 3).sum())
-    detail = f"{ok}/{len(g)} points within; max {g.median_us.max():.1f} us"
-    if "follow" in g and g.follow.nunique() > 1:   # the worst time at each follow rate
-        worst = g.groupby("follow").median_us.max().sort_index(ascending=False)
-        detail += " (" + ", ".join(f"follow {f:g}: max {t:.1f} us" for f, t in worst.items()) + ")"
-    return [_row(*name, detail, bool((g.median_us <= 3).all()))]
+    parts, met = [], False
+    for impl, label in ACCEPT_KERNELS.items():
+        k = g[g.impl == impl]
+        if k.empty:
+            continue
+        ok = k.median_us <= 3
+        detail = f"{label}: {int(ok.sum())}/{len(k)} points within, max {k.median_us.max():.1f} us"
+        if "follow" in k and k.follow.nunique() > 1:   # the worst time at each follow rate
+            worst = k.groupby("follow").median_us.max().sort_index(ascending=False)
+            detail += " (" + ", ".join(f"follow {f:g}: max {t:.1f} us" for f, t in worst.items()) + ")"
+        parts.append(detail)
+        met |= bool(ok.all())
+    return [_row(*name, "; ".join(parts), met)]
 
 
 def _round_targets(r: pd.DataFrame | None) -> list[dict]:

@@ -331,3 +331,51 @@ def greedy_accept_batch(candidates, next_token, next_sibling, target, max_depth:
         accept_len[b] = k
         bonus[b] = tgt[b, cur]
     return accept_index, accept_len, bonus
+
+
+def greedy_accept_parents_batch(candidates, parents, node_counts, target, max_depth: int):
+    """The greedy accept from parent indices (what ``kd_tree_accept_parents`` computes), in
+    ``greedy_accept_batch``'s output form.
+
+    Nodes are slots ``1..n`` (``n = node_counts[b]`` clamped to ``[0, D-1]``) whose parent
+    lies in ``[0, i)``; from the root the walk goes to the smallest-slot child whose token
+    equals the current slot's target. On a tree whose lists give children in ascending
+    slot order (the build's) this is ``greedy_accept_batch``.
+    """
+    arrs = {}
+    for name, x, dtype in (("candidates", candidates, np.int64), ("parents", parents, np.int32),
+                           ("target", target, np.int64)):
+        a = to_numpy(name, x)
+        check_ndim(name, a, 2, "[B, D]")
+        check_dtype(name, a, dtype)
+        arrs[name] = a
+    B, D = arrs["candidates"].shape
+    for name, a in arrs.items():
+        if a.shape != (B, D):
+            raise InputError(f"{name}: expected shape [{B}, {D}], got {tuple(a.shape)}")
+    counts = to_numpy("node_counts", node_counts)
+    check_ndim("node_counts", counts, 1, f"[B] = [{B}]")
+    check_dtype("node_counts", counts, np.int32)
+    if counts.shape != (B,):
+        raise InputError(f"node_counts: expected shape [{B}], got {tuple(counts.shape)}")
+    max_depth = check_int("max_depth", max_depth, lo=0)
+    cand, par, tgt = arrs["candidates"], arrs["parents"], arrs["target"]
+    accept_index = np.full((B, max_depth + 1), -1, dtype=np.int32)
+    accept_len = np.zeros(B, dtype=np.int32)
+    bonus = np.zeros(B, dtype=np.int64)
+    for b in range(B):
+        n = min(max(int(counts[b]), 0), D - 1)
+        first = {}   # parent -> its smallest matching child
+        for i in range(1, n + 1):
+            p = int(par[b, i])
+            if 0 <= p < i and cand[b, i] == tgt[b, p] and p not in first:
+                first[p] = i
+        cur, k = 0, 0
+        accept_index[b, 0] = b * D
+        while k < max_depth and cur in first:
+            cur = first[cur]
+            k += 1
+            accept_index[b, k] = b * D + cur
+        accept_len[b] = k
+        bonus[b] = tgt[b, cur]
+    return accept_index, accept_len, bonus

@@ -31,6 +31,12 @@ def main():
     first = int(wide.next_token[0, 0])
     ns[0, first] = 0                        # a sibling link back to the root: not a tree
     ops.tree_accept(wide.tokens, wide.next_token, ns, target3, 15)
+    # The parents form: a warp each (D 41, ragged), a CTA each (D 257), and 16 slots a thread.
+    ops.tree_accept_parents(trees.tokens, trees.parents, trees.node_counts, target, 15)
+    ops.tree_accept_parents(wide.tokens, wide.parents, wide.node_counts, target2, 15)
+    big = torch.randint(0, 3, (2, 3000), device="cuda")
+    par = (torch.arange(3000, device="cuda") - 1).clamp(min=-1).int().repeat(2, 1)
+    ops.tree_accept_parents(big, par, torch.tensor([2999, 100], dtype=torch.int32, device="cuda"), big, 40)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
     for path, splits in (("auto", 1), ("auto", 3), ("auto", 40), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 40)):
         ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel

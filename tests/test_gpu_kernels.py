@@ -11,7 +11,7 @@ import torch
 
 from kdtree.attention import verify_attention_ref
 from kdtree.checks import NEG_INF_FLOOR, InputError
-from kdtree.tree import build_trees, greedy_accept_batch, pack_visibility
+from kdtree.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
 from kdtree.workloads import paged_case, stage_a_inputs
 
 pytestmark = pytest.mark.gpu
@@ -437,6 +437,89 @@ def test_tree_accept_full_depth_chain(ops):
     assert alen.tolist() == [15, 0, 7] and bonus.tolist() == [99, 55, 55]
     assert idx[0].tolist() == list(range(16))
     assert idx[1].tolist() == [D] + [-1] * 15
+
+
+def accept_parents_poisoned(ops, cand, par, counts, target, max_depth):
+    """The parents kernel into outputs filled with garbage first."""
+    t = lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(DEV)
+    B = cand.shape[0]
+    out = (torch.full((B, max_depth + 1), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
+           torch.full((B,), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
+           torch.full((B,), 0x5A5A5A5A, dtype=torch.int64, device=DEV))
+    got = ops.tree_accept_parents(t(cand), t(par), t(counts), t(target), max_depth, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    return [g.cpu().numpy() for g in got]
+
+
+@pytest.mark.parametrize("B,budget", [(3, 0), (1, 1), (7, 16), (64, 64), (256, 256), (33, 1024)])
+def test_tree_accept_parents_equals_the_walk(ops, B, budget):
+    """On built trees, ragged (smaller budgets leave padding slots: parent 0, PAD_TOKEN),
+    the parents kernel gives the list walk's result, CPU and GPU."""
+    rng = np.random.default_rng(7 * B + budget)
+    V = 40
+    budgets = np.where(rng.random(B) < 0.3, rng.integers(0, budget + 1, B), budget)
+    lp, ids = stage_a_inputs(B, 15, V, max(budget, 1), seed=B + budget, coarse_fraction=0.5)
+    tb = build_trees(lp, ids, budgets, root_tokens=rng.integers(0, V, B), d_max=budget + 1)
+    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
+    for b in range(B):
+        for i in range(tb.D):
+            c = tb.next_token[b, i]
+            if c != -1 and rng.random() < 0.85:
+                target[b, i] = tb.tokens[b, c]
+    target[::4, 0] = 0            # PAD_TOKEN at the root: padding must not match
+    want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, 15)
+    got = accept_parents_poisoned(ops, tb.tokens, tb.parents, tb.node_counts, target, 15)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+    t = lambda a: torch.as_tensor(a).to(DEV)
+    walk = ops.tree_accept(t(tb.tokens), t(tb.next_token), t(tb.next_sibling), t(target), 15)
+    for g, w in zip(got, walk):
+        assert np.array_equal(g, w.cpu().numpy())
+    assert budget < 16 or want[1].max() >= 2
+
+
+@pytest.mark.parametrize("D,max_depth", [(2, 15), (64, 15), (65, 0), (512, 15), (513, 70),
+                                         (1280, 15), (1281, 15), (4096, 40)])
+def test_tree_accept_parents_on_any_rows(ops, D, max_depth):
+    """Every launch shape (a warp, a CTA with 2, 5 or 16 slots a thread) on random deep
+    trees with duplicate sibling tokens (the smallest slot wins), corrupt parents (a slot
+    itself, later slots, out of range: not nodes) and node counts out of range (clamped),
+    against the CPU reference."""
+    rng = np.random.default_rng(D + max_depth)
+    B, V = 9, 3
+    cand = rng.integers(0, V, size=(B, D)).astype(np.int64)
+    par = np.full((B, D), -1, np.int32)
+    for i in range(1, D):
+        par[:, i] = np.where(rng.random(B) < 0.5, i - 1, rng.integers(max(0, i - 6), i, B))
+    target = rng.integers(0, V, size=(B, D)).astype(np.int64)
+    for i in range(1, D):           # mostly some child's token: deep walks
+        hit = rng.random(B) < 0.8
+        target[hit, par[hit, i]] = cand[hit, i]
+    counts = np.full(B, D - 1, np.int32)
+    counts[1], counts[2], counts[3] = -3, D + 5, rng.integers(0, D)
+    for b in (4, 5, 6):
+        for i in rng.integers(1, D, size=max(1, D // 8)):
+            par[b, i] = rng.choice([i, i + 1, D + 3, -5, 1 << 30])
+    want = greedy_accept_parents_batch(cand, par, counts, target, max_depth)
+    got = accept_parents_poisoned(ops, cand, par, counts, target, max_depth)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+    assert max_depth == 0 or D < 64 or want[1].max() >= 3     # walks go several levels down
+
+
+def test_tree_accept_parents_errors_name_the_argument(ops):
+    cand = torch.zeros(2, 8, dtype=torch.int64, device=DEV)
+    par = torch.zeros(2, 8, dtype=torch.int32, device=DEV)
+    n = torch.full((2,), 7, dtype=torch.int32, device=DEV)
+    with pytest.raises(InputError, match="parents: expected dtype torch.int32"):
+        ops.tree_accept_parents(cand, par.long(), n, cand, 15)
+    with pytest.raises(InputError, match=r"node_counts: expected shape \[2\]"):
+        ops.tree_accept_parents(cand, par, n[:1], cand, 15)
+    with pytest.raises(InputError, match=r"out\[0\] \(accept_index\): expected shape \[2, 16\]"):
+        ops.tree_accept_parents(cand, par, n, cand, 15, out=(n, n, cand[:, 0]))
+    wide = torch.zeros(1, 4097, dtype=torch.int64, device=DEV)
+    with pytest.raises(InputError, match="candidates: expected at most 4096 slots"):
+        ops.tree_accept_parents(wide, wide.int(), n[:1], wide, 15)
 
 
 # ---------------------------------------------------------------- attention

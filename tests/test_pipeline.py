@@ -89,7 +89,7 @@ def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
                      "cpu_reps": 1, "cpu_max_seconds": 1, "gpu_replays": 2},
                     tmp_path / "tree_accept.parquet", gpu=False)
     ta = pd.read_parquet(tmp_path / "tree_accept.parquet")
-    assert sorted(ta.follow.unique()) == [0.0, 0.85] and len(ta) == 2 * 2 * 2   # 2 rates x 2 batches x 2 impls
+    assert sorted(ta.follow.unique()) == [0.0, 0.85] and len(ta) == 2 * 2 * 3   # 2 rates x 2 batches x 3 impls
     skipped = render_all(tmp_path)
     assert (tmp_path / "figures" / "tree_build.png").stat().st_size > 10_000
     assert (tmp_path / "figures" / "tree_accept.png").exists()

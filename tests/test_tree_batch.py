@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kdtree.tree import (PAD_TOKEN, build_tree, build_trees, greedy_accept, greedy_accept_batch,
-                         pack_visibility)
+                         greedy_accept_parents_batch, pack_visibility)
 from kdtree.workloads import stage_a_inputs
 
 
@@ -123,3 +123,51 @@ def test_accept_target_shape_named():
     t = build_tree(np.zeros((2, 2), np.float32), np.zeros((2, 2), np.int64), 3)
     with pytest.raises(ValueError, match=r"target: expected shape \[4\]"):
         greedy_accept(t, np.zeros(3, np.int64))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accept_from_parents_equals_the_list_walk(seed):
+    """On built trees (ragged budgets: padding slots have parent 0 and PAD_TOKEN) the
+    parents form gives the list walk's result; root targets of PAD_TOKEN check that
+    padding slots are not taken for children of the root."""
+    rng = np.random.default_rng(seed)
+    B, V = 40, 12
+    budgets = rng.integers(0, 60, B)
+    budgets[0] = 60
+    lp, ids = stage_a_inputs(B, 15, V, 60, seed=seed, coarse_fraction=0.5)
+    tb = build_trees(lp, ids, budgets, root_tokens=rng.integers(0, V, B))
+    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
+    for b in range(B):
+        for i in range(tb.D):
+            c = tb.next_token[b, i]
+            if c != -1 and rng.random() < 0.85:
+                target[b, i] = tb.tokens[b, c]
+    target[::3, 0] = PAD_TOKEN
+    for max_depth in (0, 1, 15):
+        want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, max_depth)
+        got = greedy_accept_parents_batch(tb.tokens, tb.parents, tb.node_counts, target, max_depth)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w)
+    assert want[1].max() >= 3 and (want[1] == 0).any()
+
+
+def test_accept_from_parents_rules():
+    """Smallest matching child wins; slots past n or with a parent outside [0, i) are not
+    nodes; node counts are clamped to [0, D - 1]."""
+    cand = np.array([[0, 5, 5, 6, 7, 7]], np.int64)
+    target = np.array([[5, 6, 0, 7, 0, 0]], np.int64)
+    par = np.array([[-1, 0, 0, 1, 3, 3]], np.int32)
+    run = lambda p, n, md=15: greedy_accept_parents_batch(cand, p, np.array([n], np.int32), target, md)
+    idx, alen, bonus = run(par, 5)
+    assert idx[0, :4].tolist() == [0, 1, 3, 4] and alen[0] == 3 and bonus[0] == 0
+    assert run(par, 3)[1][0] == 2            # slot 4 is past n = 3
+    assert run(par, 99)[1][0] == 3           # n clamped to D - 1
+    assert run(par, -4)[1][0] == 0 and run(par, -4)[2][0] == 5
+    bad = par.copy()
+    bad[0, 1] = 1                            # a parent that is not a smaller slot
+    assert run(bad, 5)[0][0, :2].tolist() == [0, 2]  # slot 2 (token 5) takes over: a leaf
+    assert run(par, 5, md=1)[0][0].tolist() == [0, 1]
+    with pytest.raises(ValueError, match="parents: expected dtype int32"):
+        greedy_accept_parents_batch(cand, par.astype(np.int64), np.array([5], np.int32), target, 15)
+    with pytest.raises(ValueError, match=r"node_counts: expected shape \[1\]"):
+        greedy_accept_parents_batch(cand, par, np.array([5, 5], np.int32), target, 15)

@@ -1,5 +1,6 @@
-"""One verify round on the GPU: tree build -> tree-verify attention -> accept, captured into
-one CUDA graph with no host sync between them; its replay time beside each part's own."""
+"""One verify round on the GPU: tree build -> tree-verify attention -> accept (from the
+build's parents), captured into one CUDA graph with no host sync between them; its replay
+time beside each part's own."""
 from __future__ import annotations
 
 import math
@@ -34,8 +35,8 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
     def verify():
         ops.verify_attention(q, cache, table, seq, trees.visibility_bits, cfg["scale"], out=out, lse=lse)
 
-    def accept():
-        ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, L)
+    def accept():   # from the build's parents: no sibling walk (sweeps/tree_accept.py)
+        ops.tree_accept_parents(trees.tokens, trees.parents, trees.node_counts, target, L)
 
     def round_():
         build(); verify(); accept()

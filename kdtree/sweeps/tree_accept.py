@@ -1,4 +1,8 @@
-"""Greedy accept: the CPU walk against the GPU kernel, over batch x D x follow rate.
+"""Greedy accept: the CPU walk against the GPU kernels, over batch x D x follow rate.
+
+Two kernels: `gpu_kernel` walks the left-child / right-sibling lists (SGLang's input
+form); `gpu_kernel_parents` takes the build's parents and node counts instead, so each
+slot tests itself at once (what this project's round uses).
 
 The follow rate is how often a node's target is its first child's token: 0.85 gives the
 deep walks of a good draft; 0 gives random targets (a draft wrong early), where the walk
@@ -39,9 +43,8 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     accepted = float(greedy_accept_batch(*args)[1].mean())
     rows = [dict(p, impl="cpu_walk", metric="batch_time", mean_accept_len=accepted, **cpu)]
     if not gpu:
-        rows.append(dict(p, impl="gpu_kernel", metric="device_time", status="skipped",
-                         reason="no CUDA device"))
-        return rows
+        return rows + [dict(p, impl=impl, metric="device_time", status="skipped", reason="no CUDA device")
+                       for impl in ("gpu_kernel", "gpu_kernel_parents")]
     import torch
 
     from .. import ops
@@ -49,6 +52,9 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     t = [torch.as_tensor(a).cuda() for a in args[:4]]
     dev = time_graph(lambda: ops.tree_accept(*t, L), replays=cfg["gpu_replays"])
     rows.append(dict(p, impl="gpu_kernel", metric="device_time", mean_accept_len=accepted, **dev))
+    c, par, n, tgt = (torch.as_tensor(a).cuda() for a in (tb.tokens, tb.parents, tb.node_counts, target))
+    dev = time_graph(lambda: ops.tree_accept_parents(c, par, n, tgt, L), replays=cfg["gpu_replays"])
+    rows.append(dict(p, impl="gpu_kernel_parents", metric="device_time", mean_accept_len=accepted, **dev))
     return rows
 
 

@@ -47,6 +47,16 @@ int kd_tree_accept(const int64_t* candidates, const int64_t* next_token,
                    int max_depth, int32_t* accept_index, int32_t* accept_len, int64_t* bonus,
                    void* stream);
 
+// Greedy accept from parent indices: the same outputs as kd_tree_accept on a tree whose
+// lists give each node's children in ascending slot order (the build's). parents i32
+// [B, D] (parents[i] < i), node_counts i32 [B] (nodes are slots 1..n; n clamped to
+// [0, D-1]); a slot outside 1..n or with a parent outside [0, i) is not in the tree.
+// D <= 4096 (KD_ERR_ARGUMENT above).
+int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
+                           const int32_t* node_counts, const int64_t* target, int B, int D,
+                           int max_depth, int32_t* accept_index, int32_t* accept_len,
+                           int64_t* bonus, void* stream);
+
 // Tree-verify attention, MLA absorbed form (spec verify_attention.md).
 // q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
 // [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)

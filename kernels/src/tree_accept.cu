@@ -22,14 +22,14 @@ constexpr int COPY_SLOTS = 4;                        // slots a thread copies pe
 // One slot as the walk reads it (two 16-byte loads). In shared memory the links are byte
 // offsets from the row's first slot, and "none" is the offset of a sentinel slot after
 // the row, so a visit's next loads need no clamp and no multiply; in global memory they
-// are slot indices and "none" is -1.
+// are slot indices and "none" is -1. alignas(16) pads it to 32 bytes.
 struct alignas(16) Slot {
   int64_t cand;
   int64_t tgt;
   int32_t child;   // first child
   int32_t next;    // next sibling
-  int32_t pad[2];
 };
+static_assert(sizeof(Slot) == 32, "slot offsets assume 32-byte slots");
 
 // A slot's first 24 bytes from shared memory. Volatile, so that the compiler issues both
 // next slots' loads before the compare (left to itself, it moves each load into the branch
@@ -106,7 +106,10 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
   if (STAGED) {
     unsigned char* s_row = smem + group * accept_row_bytes(D);
     const int32_t none = D * (int32_t)sizeof(Slot);  // the sentinel's offset
-    auto offset = [&](int64_t x) { const int32_t i = link_or_none(x, D); return i < 0 ? none : i * (int32_t)sizeof(Slot); };
+    auto offset = [&](int64_t x) {
+      const int32_t i = link_or_none(x, D);
+      return i < 0 ? none : i * (int32_t)sizeof(Slot);
+    };
     for (int base = 0; base < D; base += COPY_SLOTS * GROUP) {
       int64_t c[COPY_SLOTS], t[COPY_SLOTS], n[COPY_SLOTS], x[COPY_SLOTS];
 #pragma unroll
@@ -117,11 +120,11 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
 #pragma unroll
       for (int u = 0; u < COPY_SLOTS; ++u) {
         const int i = base + u * GROUP + lane;
-        if (i < D) *reinterpret_cast<Slot*>(s_row + i * sizeof(Slot)) = Slot{c[u], t[u], offset(n[u]), offset(x[u]), {0, 0}};
+        if (i < D) *reinterpret_cast<Slot*>(s_row + i * sizeof(Slot)) = Slot{c[u], t[u], offset(n[u]), offset(x[u])};
       }
     }
     if (lane == 0)  // the sentinel: its links lead back to itself
-      *reinterpret_cast<Slot*>(s_row + none) = Slot{0, 0, none, none, {0, 0}};
+      *reinterpret_cast<Slot*>(s_row + none) = Slot{0, 0, none, none};
     group_sync();
     if (lane == 0) {
       idx[0] = (int32_t)row;
@@ -134,7 +137,7 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
     k = walk([&](int32_t i) {
                i = max(i, 0);  // a link of -1 loads slot 0, never used
                return Slot{cand[i], tgt[i], link_or_none(next_token[row + i], D),
-                           link_or_none(next_sibling[row + i], D), {0, 0}};
+                           link_or_none(next_sibling[row + i], D)};
              },
              -1, [](int32_t i) { return i; }, D, max_depth, row, idx, &want);
   }
