@@ -149,9 +149,13 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau pays where the batch waits for its slowest request, or where
-  // raises are frequent and dear (H200: B 64 x 256 40.8 -> 29.3 us; B 1 x 16 10.2 -> 13.0).
-  const bool chain_start = gridDim.x >= 8 || budget >= 256;
+  // A tighter first tau (chain_bound: ~5-7k cycles) pays where some request of the batch
+  // would otherwise raise tau, which grows likelier with the batch and the budget. Measured
+  // on the H200 with the sweep's inputs (V 8192 and 32000): off at batch 1 (B 1 x 256
+  // 25.8 -> 22.2 us, B 1 x 1024 78.4 -> 75.0) and at batch 16 budget 16 (13.8 -> 11.3); on
+  // from batch 64, from batch 16 at budget 64 and up, from batch 4 at budget 1024.
+  const int batch = gridDim.x;
+  const bool chain_start = batch >= 64 || (batch >= 16 && budget >= 64) || (batch >= 4 && budget >= 1024);
   if (threshold && !uncertified)
     n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, chain_start);
   if (n < 0) {  // the warp loop: exact for any input

@@ -395,6 +395,66 @@ KD_HD bool item_better(const Threshold& t, const SortItem& a, const SortItem& b)
   return false;
 }
 
+#ifdef __CUDA_ARCH__
+// (u, k0..k3) < (v, l0..l3) for 320-bit keys, most significant word first: the borrow out
+// of their difference, branch-free (ten integer adds with carry on the SASS side).
+__device__ __forceinline__ int key_less(uint64_t u, uint64_t k0, uint64_t k1, uint64_t k2, uint64_t k3,
+                                        uint64_t v, uint64_t l0, uint64_t l1, uint64_t l2, uint64_t l3) {
+  uint32_t borrow;
+  asm("{\n\t.reg .u64 d;\n\t"
+      "sub.cc.u64 d, %1, %6;\n\t"
+      "subc.cc.u64 d, %2, %7;\n\t"
+      "subc.cc.u64 d, %3, %8;\n\t"
+      "subc.cc.u64 d, %4, %9;\n\t"
+      "subc.cc.u64 d, %5, %10;\n\t"
+      "subc.u32 %0, 0, 0;\n\t}"
+      : "=r"(borrow)
+      : "l"(k3), "l"(k2), "l"(k1), "l"(k0), "l"(u), "l"(l3), "l"(l2), "l"(l1), "l"(l0), "l"(v));
+  return (int)(borrow & 1u);
+}
+
+// A score as a key where smaller is better: scores here are <= 0 (the certificate), and
+// for those the bits order by magnitude once +0.0 is folded onto -0.0 (the sign bit set).
+__device__ __forceinline__ uint64_t score_key(double x) {
+  return (uint64_t)__double_as_longlong(x) | 0x8000000000000000ull;
+}
+
+constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (kernels/NOTES.md)
+
+// Items 0 .. m-1 := nodes 1 .. m, sorted best first, for m <= RANK_SORT_MAX: an item's
+// place is the number of items better than it, counted against every other item: a
+// broadcast load of its score and path key and one branch-free 320-bit compare each. m^2
+// compares, but no barrier or dependent search between them (the merge below spent
+// 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts for 32
+// items against one slice of the items (slices keep all warps busy at small m) and adds
+// its counts into t.pos, which the caller zeroes.
+__device__ void rank_sort(const Threshold& t, int m, int tid, int nthreads) {
+  const int lane = tid & 31, warp = tid >> 5, groups = (m + 31) >> 5;
+  const int slices = max(1, (nthreads >> 5) / groups);
+  if (warp < groups * slices) {
+    const int e = (warp % groups) * 32 + lane, h = warp / groups;
+    const int lo = h * m / slices, hi = (h + 1) * m / slices;
+    const int me = e < m ? e + 1 : 1;  // lanes past m count for node 1 and drop it
+    const uint64_t u = score_key(t.score[me]);
+    const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
+    const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+    int better = 0;
+#pragma unroll 4
+    for (int j = lo + 1; j <= hi; ++j) {
+      const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
+      const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS + 2);
+      better += key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
+    }
+    if (e < m) atomicAdd(&t.pos[e], better);
+  }
+  KD_PROF(9);
+  __syncthreads();
+  for (int e = tid; e < m; e += nthreads)
+    t.items[t.pos[e]] = SortItem{t.score[e + 1], t.keys[(size_t)(e + 1) * KEY_WORDS], e + 1, 0};
+  __syncthreads();
+}
+#endif
+
 // Items 0 .. m-1 := nodes 1 .. m, sorted best first. Device: a thread holds items
 // e = s * nthreads + tid (pads past m, up to P = the next power of two >= 32, sort last);
 // each warp first sorts its 32 in registers (bitonic on shuffles; warps holding only
@@ -409,6 +469,7 @@ constexpr int TS_SORT_SLOTS = 4;  // items a thread holds: cap / threads <= 2048
 KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   const int cap = t.cap;
 #ifdef __CUDA_ARCH__
+  if (m <= RANK_SORT_MAX) return rank_sort(t, m, tid, nthreads);
   int P = 32;
   while (P < m) P <<= 1;
   SortItem it[TS_SORT_SLOTS];
@@ -433,6 +494,7 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
         if (item_better(t, o, it[s]) == take_better) it[s] = o;
       }
   }
+  KD_PROF(9);
   for (int run = 32; run < P; run <<= 1) {
 #pragma unroll
     for (int s = 0; s < TS_SORT_SLOTS; ++s)
@@ -457,6 +519,7 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
     __syncthreads();  // every read of this level is done before the items move
 #pragma unroll
     for (int s = 0; s < TS_SORT_SLOTS; ++s) pos[s] = next[s] + cnt[s];
+    KD_PROF(10 + 31 - __clz(run) - 5);
   }
 #pragma unroll
   for (int s = 0; s < TS_SORT_SLOTS; ++s)
@@ -560,6 +623,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   for (int d = 0; d < L; ++d) whole = KD_DADD(whole, (double)t.lp[d * t.ld + keff - 1]);
   double tau = keff >= budget ? (double)t.lp[budget - 1] : whole;
   if (chain_start && (long long)L * keff >= budget) tau = chain_bound(t, L, keff, budget, tau, tid, nthreads);
+  KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
   double lo = tau, hi = (double)t.lp[0];
@@ -619,7 +683,10 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const int n = m < budget ? m : budget;
   if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
   // Keys (over the dead lp), then the sort of the m candidates.
-  for (int i = 1 + tid; i < nS; i += nthreads) write_key(t, i);
+  for (int i = 1 + tid; i < nS; i += nthreads) {
+    write_key(t, i);
+    t.pos[i - 1] = 0;  // rank_sort's counters
+  }
   KD_BARRIER();
   KD_PROF(3);
   sort_items(t, m, tid, nthreads);
