@@ -12,6 +12,7 @@ import seaborn as sns  # noqa: E402
 
 from .results import ok_rows  # noqa: E402
 from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
+from .targets import ACCEPT_TARGET_US  # noqa: E402
 
 
 def _gpu_label(df: pd.DataFrame) -> str:
@@ -102,6 +103,9 @@ def tree_accept(df: pd.DataFrame, path):
     for ax, rate in zip(axes[0], rates):
         sns.lineplot(d[d.follow == rate], x="batch", y="median_us", hue="impl", style="D",
                      marker="o", ax=ax)
+        ax.axhline(ACCEPT_TARGET_US, color="grey", ls=":", lw=1)   # issue 7's bound for the GPU kernels
+        ax.annotate(f"target {ACCEPT_TARGET_US:g} us", (0.01, ACCEPT_TARGET_US), xycoords=("axes fraction", "data"),
+                    va="bottom", fontsize=8, color="grey")
         ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
                title=f"targets follow the first child: {rate:.0%}")
     fig.suptitle(f"Greedy tree accept ({_gpu_label(df)})")
