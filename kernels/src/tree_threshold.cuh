@@ -42,6 +42,7 @@ constexpr int TS_MIN_NODES = 64;
 constexpr int TS_MAX_RAISES = 16;    // then refuse: ties that no threshold separates
 constexpr int TS_BINS = 256;         // radix digit of 8 bits
 constexpr int TS_COUNTERS = TS_BINS + 16;  // three rotating level counters
+constexpr int TS_NARROW = TS_COUNTERS + 8;  // where warp 0's narrow levels ended (3 ints)
 constexpr int TS_SCRATCH_INTS = TS_BINS + 48;
 
 // Node of the enumerated set: parent's buffer index, rank, depth and an inexact-sum flag.
@@ -366,6 +367,66 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 #endif
 }
 
+#ifdef __CUDA_ARCH__
+// materialise_level for a level of at most 32 parents, by one warp: the children of
+// parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
+// parent's children contiguous, ranks ascending), without its atomic and barrier.
+__device__ int materialise_narrow(const Threshold& t, const float* row, int keff, int d, double tau,
+                                  int lb, int le, int lane) {
+  const int room = t.cap - le, p = lb + lane;
+  const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
+  int incl = c;
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, incl, o);
+    if (lane >= o) incl += y;
+  }
+  const int total = __shfl_sync(FULL_MASK, incl, 31);
+  for (int j0 = 0; j0 < total && j0 < room; j0 += 32) {
+    const int j = j0 + lane;
+    int o = 0;  // owner lane: how many lanes' children end at or before j
+    for (int step = 16; step > 0; step >>= 1)
+      if (__shfl_sync(FULL_MASK, incl, o + step - 1) <= j) o += step;
+    o = min(o, 31);
+    const int first = __shfl_sync(FULL_MASK, incl - c, o);
+    if (j < total && j < room) {
+      const int po = lb + o, r = j - first;
+      const double sp = t.score[po], x = (double)row[r], sc = KD_DADD(sp, x);
+      t.score[le + j] = sc;
+      t.meta[le + j] = ts_meta(po, r, d + 1, !exact_sum(sp, x, sc));
+    }
+  }
+  __syncwarp();
+  return total;
+}
+
+// The first levels while they are narrow (at most 32 parents), by warp 0 alone: a block
+// level costs ~700 cycles (H200 stamps), much of it the block barrier, the counter and its
+// read-back, and a budget-16 tree is often a chain of 15 such levels. Stops at the first
+// wider level, at a level that would overflow the buffer (the block redoes it and raises
+// tau) or at the tree's end (*d = L); the block goes on from *d. The level counters stay
+// untouched, so the block's next levels find theirs at zero.
+__device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, int* d, int* lb,
+                              int* le, int tid) {
+  int* state = t.scratch + TS_NARROW;
+  if (tid < 32) {
+    int wd = 0, wlb = 0, wle = 1;
+    while (wd < L && wle - wlb <= 32) {
+      const int total = materialise_narrow(t, t.lp + wd * t.ld, keff, wd, tau, wlb, wle, tid);
+      if (total > t.cap - wle) break;
+      if (total == 0) { wd = L; break; }
+      wlb = wle;
+      wle += total;
+      ++wd;
+    }
+    if (tid == 0) { state[0] = wd; state[1] = wlb; state[2] = wle; }
+  }
+  __syncthreads();
+  *d = state[0];
+  *lb = state[1];
+  *le = state[2];
+}
+#endif
+
 // Node i's 256-bit path key (16-bit digits rank + 1, most significant first), by a walk up.
 KD_HD void write_key(const Threshold& t, int i) {
   uint64_t k0 = 0, k1 = 0, k2 = 0, k3 = 0;  // registers, not an indexed array (local memory)
@@ -636,7 +697,11 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     le = 1;
     KD_BARRIER();
     bool restart = false;
-    for (int d = 0; d < L;) {
+    int d = 0;
+#ifdef __CUDA_ARCH__
+    narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+#endif
+    for (; d < L;) {
       const float* row = t.lp + d * t.ld;
       const int room = cap - le;
       const int total = materialise_level(t, row, keff, d, tau, lb, le, tid, nthreads);
