@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .attention import QK_DIM
@@ -94,3 +95,16 @@ def random_visibility(B: int, D: int, g: torch.Generator) -> torch.Tensor:
                 vis[b, i] = vis[b, p]
             vis[b, i, i] = True
     return vis
+
+
+def follow_targets(trees, V: int, follow: float, rng: np.random.Generator) -> np.ndarray:
+    """Target argmaxes i64 [B, D] for built trees (a kdtree.tree.TreeBatch): random tokens,
+    each slot's replaced by its first child's token with probability ``follow`` (how often a
+    draft's first guess is right)."""
+    target = rng.integers(0, V, size=(trees.tokens.shape[0], trees.D)).astype(np.int64)
+    for b in range(target.shape[0]):
+        for i in range(trees.D):
+            c = trees.next_token[b, i]
+            if c != -1 and rng.random() < follow:
+                target[b, i] = trees.tokens[b, c]
+    return target

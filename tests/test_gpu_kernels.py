@@ -12,7 +12,7 @@ import torch
 from kdtree.attention import verify_attention_ref
 from kdtree.checks import NEG_INF_FLOOR, InputError
 from kdtree.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
-from kdtree.workloads import paged_case, stage_a_inputs
+from kdtree.workloads import follow_targets, paged_case, stage_a_inputs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -461,12 +461,7 @@ def test_tree_accept_parents_equals_the_walk(ops, B, budget):
     budgets = np.where(rng.random(B) < 0.3, rng.integers(0, budget + 1, B), budget)
     lp, ids = stage_a_inputs(B, 15, V, max(budget, 1), seed=B + budget, coarse_fraction=0.5)
     tb = build_trees(lp, ids, budgets, root_tokens=rng.integers(0, V, B), d_max=budget + 1)
-    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
-    for b in range(B):
-        for i in range(tb.D):
-            c = tb.next_token[b, i]
-            if c != -1 and rng.random() < 0.85:
-                target[b, i] = tb.tokens[b, c]
+    target = follow_targets(tb, V, 0.85, rng)
     target[::4, 0] = 0            # PAD_TOKEN at the root: padding must not match
     want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, 15)
     got = accept_parents_poisoned(ops, tb.tokens, tb.parents, tb.node_counts, target, 15)

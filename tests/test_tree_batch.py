@@ -4,7 +4,7 @@ import pytest
 
 from kdtree.tree import (PAD_TOKEN, build_tree, build_trees, greedy_accept, greedy_accept_batch,
                          greedy_accept_parents_batch, pack_visibility)
-from kdtree.workloads import stage_a_inputs
+from kdtree.workloads import follow_targets, stage_a_inputs
 
 
 def test_batched_equals_per_request_and_padding_is_unreachable():
@@ -99,14 +99,8 @@ def test_accept_batch_matches_single():
     lp, ids = stage_a_inputs(4, 15, 50, 30, seed=9)
     roots = np.array([1, 2, 3, 4])
     tb = build_trees(lp, ids, budgets, root_tokens=roots)
-    rng = np.random.default_rng(1)
-    target = rng.integers(0, 50, size=(4, tb.D)).astype(np.int64)
     # make acceptance likely: the target at each node points to its first child
-    for b in range(4):
-        for i in range(tb.D):
-            c = tb.next_token[b, i]
-            if c != -1 and rng.random() < 0.8:
-                target[b, i] = tb.tokens[b, c]
+    target = follow_targets(tb, 50, 0.8, np.random.default_rng(1))
     idx, alen, bonus = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, 15)
     assert idx.shape == (4, 16) and idx.dtype == np.int32
     for b in range(4):
@@ -136,12 +130,7 @@ def test_accept_from_parents_equals_the_list_walk(seed):
     budgets[0] = 60
     lp, ids = stage_a_inputs(B, 15, V, 60, seed=seed, coarse_fraction=0.5)
     tb = build_trees(lp, ids, budgets, root_tokens=rng.integers(0, V, B))
-    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
-    for b in range(B):
-        for i in range(tb.D):
-            c = tb.next_token[b, i]
-            if c != -1 and rng.random() < 0.85:
-                target[b, i] = tb.tokens[b, c]
+    target = follow_targets(tb, V, 0.85, rng)
     target[::3, 0] = PAD_TOKEN
     for max_depth in (0, 1, 15):
         want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, max_depth)

@@ -14,7 +14,7 @@ import numpy as np
 from ..gpu import cuda_available
 from ..timing import time_cpu, time_graph
 from ..tree import build_trees, greedy_accept_batch
-from ..workloads import stage_a_inputs
+from ..workloads import follow_targets, stage_a_inputs
 from .runner import run_sweep
 
 
@@ -25,13 +25,7 @@ def case(B: int, budget: int, cfg: dict, follow: float = DEFAULT_FOLLOW_RATES[0]
     V = 64
     lp, ids = stage_a_inputs(B, cfg["L"], V, budget, seed=cfg["seed"] + B + budget)
     tb = build_trees(lp, ids, np.full(B, budget), root_tokens=np.zeros(B, np.int64))
-    rng = np.random.default_rng(B * 31 + budget)
-    target = rng.integers(0, V, size=(B, tb.D)).astype(np.int64)
-    for b in range(B):   # follow first children at the given rate
-        for i in range(tb.D):
-            if tb.next_token[b, i] != -1 and rng.random() < follow:
-                target[b, i] = tb.tokens[b, tb.next_token[b, i]]
-    return tb, target
+    return tb, follow_targets(tb, V, follow, np.random.default_rng(B * 31 + budget))
 
 
 def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
