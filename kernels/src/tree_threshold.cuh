@@ -6,11 +6,14 @@
 // fl(parent + lp) is exact (TwoSum, checked here). Then scores never rise along the tree
 // and the heap pops exactly the top-`budget` nodes in (score, rank path) order, so:
 //  1. enumerate S(tau) = {score >= tau} level by level: a parent's children in S are a
-//     rank prefix (one binary search per parent), laid out by a block scan;
+//     rank prefix (one binary search per parent), laid out by a scan (warp 0 alone while
+//     a level has at most 32 parents, then the block);
 //  2. a level that overflows the node buffer raises tau to about the budget-th best score
 //     of what was materialised (radix passes over the score bits; the budget-th best of any
 //     subset of the tree is <= the tree's own), drops what fell below, and is redone;
-//  3. path keys by a walk up each node, a bitonic sort by (score, key), keep `budget`.
+//  3. path keys by a walk up each node, a sort by (score, key) (device: ranks by counting
+//     up to 256 candidates, merged warp-sorted runs above; host: a bitonic network), keep
+//     `budget`.
 // A refusal returns -1 and the caller runs the heap-exact warp loop (tree_select.cuh).
 // Every function is called by all threads of the block with uniform control flow around
 // barriers; the host build runs the same code with one thread (barriers are no-ops).
