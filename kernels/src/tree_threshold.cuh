@@ -307,6 +307,34 @@ KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int
   return kept;
 }
 
+// Child r of parent p (at level d) into slot `at`: its score, the FP64 sum the spec fixes,
+// and its meta (the sum's exactness decides whether ties need the exact path).
+KD_HD void write_child(const Threshold& t, const float* row, int d, int p, int r, int at) {
+  const double sp = t.score[p], x = (double)row[r], sc = KD_DADD(sp, x);
+  t.score[at] = sc;
+  t.meta[at] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
+}
+
+#ifdef __CUDA_ARCH__
+// A warp's inclusive scan of c over its lanes in order.
+__device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, c, o);
+    if (lane >= o) c += y;
+  }
+  return c;
+}
+
+// The lane whose children hold the warp's child j (incl: the inclusive scan of the lanes'
+// child counts): how many lanes' children end at or before j. All lanes call it.
+__device__ __forceinline__ int owner_lane(int incl, int j) {
+  int o = 0;
+  for (int step = 16; step > 0; step >>= 1)
+    if (__shfl_sync(FULL_MASK, incl, o + step - 1) <= j) o += step;
+  return min(o, 31);
+}
+#endif
+
 // Children of the level's parents [lb, le) scoring >= tau, appended at le: sibling ranks
 // contiguous, ascending. Writes stop at the buffer's end; returns the level's full count
 // (more than cap - le: the level overflowed). Device: each warp takes 32 parents and
@@ -322,29 +350,16 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
   for (int p0 = lb; p0 < le; p0 += nthreads) {
     const int p = p0 + tid;
     const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
-    int incl = c;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL_MASK, incl, o);
-      if (lane >= o) incl += y;
-    }
+    const int incl = warp_inclusive_scan(c, lane);
     const int wtot = __shfl_sync(FULL_MASK, incl, 31);
     if (wtot == 0) continue;
     int base = lane == 31 ? atomicAdd(counter, wtot) : 0;
     base = __shfl_sync(FULL_MASK, base, 31);
     for (int j0 = 0; j0 < wtot; j0 += 32) {
-      const int j = j0 + lane;
-      int o = 0;  // owner lane: how many lanes' children end at or before j
-      for (int step = 16; step > 0; step >>= 1)
-        if (__shfl_sync(FULL_MASK, incl, o + step - 1) <= j) o += step;
-      o = min(o, 31);
+      const int j = j0 + lane, o = owner_lane(incl, j);
       const int po = __shfl_sync(FULL_MASK, p, o), first = __shfl_sync(FULL_MASK, incl - c, o);
       const int at = base + j;
-      if (j < wtot && at < room) {
-        const int r = j - first;
-        const double sp = t.score[po], x = (double)row[r], sc = KD_DADD(sp, x);
-        t.score[le + at] = sc;
-        t.meta[le + at] = ts_meta(po, r, d + 1, !exact_sum(sp, x, sc));
-      }
+      if (j < wtot && at < room) write_child(t, row, d, po, j - first, le + at);
     }
   }
   __syncthreads();
@@ -361,10 +376,8 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
       if (t.pos[first + half] <= j) { first += half + 1; len -= half + 1; }
       else len = half;
     }
-    const int o = first - 1, p = lb + o, r = j - t.pos[o];
-    const double sp = t.score[p], x = (double)row[r], sc = KD_DADD(sp, x);
-    t.score[le + j] = sc;
-    t.meta[le + j] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
+    const int o = first - 1;
+    write_child(t, row, d, lb + o, j - t.pos[o], le + j);
   }
   return total;
 #endif
@@ -378,25 +391,12 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
                                   int lb, int le, int lane) {
   const int room = t.cap - le, p = lb + lane;
   const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
-  int incl = c;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const int incl = warp_inclusive_scan(c, lane);
   const int total = __shfl_sync(FULL_MASK, incl, 31);
   for (int j0 = 0; j0 < total && j0 < room; j0 += 32) {
-    const int j = j0 + lane;
-    int o = 0;  // owner lane: how many lanes' children end at or before j
-    for (int step = 16; step > 0; step >>= 1)
-      if (__shfl_sync(FULL_MASK, incl, o + step - 1) <= j) o += step;
-    o = min(o, 31);
+    const int j = j0 + lane, o = owner_lane(incl, j);
     const int first = __shfl_sync(FULL_MASK, incl - c, o);
-    if (j < total && j < room) {
-      const int po = lb + o, r = j - first;
-      const double sp = t.score[po], x = (double)row[r], sc = KD_DADD(sp, x);
-      t.score[le + j] = sc;
-      t.meta[le + j] = ts_meta(po, r, d + 1, !exact_sum(sp, x, sc));
-    }
+    if (j < total && j < room) write_child(t, row, d, lb + o, j - first, le + j);
   }
   __syncwarp();
   return total;
