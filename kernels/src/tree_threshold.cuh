@@ -160,6 +160,17 @@ KD_HD int smem_add(int* p, int v) {
 #endif
 }
 
+#ifdef __CUDA_ARCH__
+// A warp's inclusive scan of c over its lanes in order.
+__device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(FULL_MASK, c, o);
+    if (lane >= o) c += y;
+  }
+  return c;
+}
+#endif
+
 // In-place exclusive scan of v[0, n); every thread gets the total. Each thread sums a
 // contiguous chunk, warps scan the chunk sums, warp 0 scans the warp sums.
 KD_HD int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) {
@@ -169,20 +180,12 @@ KD_HD int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) 
   int sum = 0;
   for (int i = lo; i < hi; ++i) sum += v[i];
   const int lane = tid & 31, warp = tid >> 5, nw = nthreads >> 5;
-  int incl = sum;
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, incl, o);
-    if (lane >= o) incl += y;
-  }
+  const int incl = warp_inclusive_scan(sum, lane);
   if (lane == 31) sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
     const int w = lane < nw ? sums[lane] : 0;
-    int wi = w;
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(FULL_MASK, wi, o);
-      if (lane >= o) wi += y;
-    }
+    const int wi = warp_inclusive_scan(w, lane);
     if (lane < nw) sums[lane] = wi - w;
     if (lane == 31) sums[32] = wi;
   }
@@ -316,15 +319,6 @@ KD_HD void write_child(const Threshold& t, const float* row, int d, int p, int r
 }
 
 #ifdef __CUDA_ARCH__
-// A warp's inclusive scan of c over its lanes in order.
-__device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, c, o);
-    if (lane >= o) c += y;
-  }
-  return c;
-}
-
 // The lane whose children hold the warp's child j (incl: the inclusive scan of the lanes'
 // child counts): how many lanes' children end at or before j. All lanes call it.
 __device__ __forceinline__ int owner_lane(int incl, int j) {
