@@ -44,8 +44,8 @@ def lib() -> ctypes.CDLL:
     so.kd_build_trees.argtypes = [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P]
     so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_tree_accept_parents.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
-    so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 6 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
-    so.kd_verify_tile.argtypes = [_I] + [ctypes.POINTER(_I)] * 3
+    so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 7 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
+    so.kd_verify_tile.argtypes = [_I, _I] + [ctypes.POINTER(_I)] * 4
     so.kd_build_set_smem_limit.argtypes = [_I]
     so.kd_verify_set_path.argtypes = [_I]
     for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_tree_accept_parents,
@@ -281,22 +281,25 @@ MAX_SPLITS = 128
 
 
 @functools.lru_cache(maxsize=64)
-def _device_facts(index: int, R: int):
-    """(query rows per CTA for R rows, keys per tile, CTAs one wave holds) on device `index`."""
-    rows, keys, per_sm = _I(), _I(), _I()
+def _device_facts(index: int, R: int, page_size: int = 64):
+    """(query rows per CTA, keys per tile, CTAs one wave holds, wgmma copy path) for R rows
+    and this page size on device `index` (copy path: 0 cp.async, 1 TMA, 2 TMA to pairs)."""
+    rows, keys, wave, copy = _I(), _I(), _I(), _I()
     with torch.cuda.device(index):
-        _check(lib().kd_verify_tile(R, ctypes.byref(rows), ctypes.byref(keys), ctypes.byref(per_sm)),
-               "kd_verify_tile")
-    sms = torch.cuda.get_device_properties(index).multi_processor_count
-    return rows.value, keys.value, sms * max(1, per_sm.value)
+        _check(lib().kd_verify_tile(R, page_size, ctypes.byref(rows), ctypes.byref(keys),
+                                    ctypes.byref(wave), ctypes.byref(copy)), "kd_verify_tile")
+    return rows.value, keys.value, max(1, wave.value), copy.value
 
 
-VERIFY_PATHS = ("auto", "mma_sync")
+# "wgmma_cp_async": the wgmma kernel with its cp.async key copy even where TMA fits (the
+# path of page sizes that are not multiples of 64; for tests and same-run A/Bs).
+VERIFY_PATHS = ("auto", "mma_sync", "wgmma_cp_async")
 
 
 def set_verify_path(path: str) -> str:
-    """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere) or "mma_sync"
-    (the kernel other GPUs run, also on Hopper: for tests). Returns the previous setting."""
+    """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere), "mma_sync"
+    (the kernel other GPUs run, also on Hopper: for tests) or "wgmma_cp_async" (as auto,
+    keys copied by cp.async, not TMA). Returns the previous setting."""
     if path not in VERIFY_PATHS:
         raise InputError(f"path: expected one of {VERIFY_PATHS}, got {path!r}")
     old = lib().kd_verify_set_path(VERIFY_PATHS.index(path))
@@ -304,16 +307,20 @@ def set_verify_path(path: str) -> str:
     return VERIFY_PATHS[old]
 
 
-def verify_kernel(R: int, device) -> str:
-    """Which verify kernel runs for R query rows on `device` now: "wgmma" or "mma_sync"."""
-    rows, keys, _ = _device_facts(torch.device(device).index or 0, R)
-    return "wgmma" if keys == 64 else "mma_sync"  # the mma.sync tiles stream 32 keys
+def verify_kernel(R: int, device, page_size: int = 64) -> str:
+    """Which verify kernel runs for R query rows on `device` now: "mma_sync", "wgmma"
+    (cp.async copy), "wgmma_tma" or "wgmma_tma_x2" (key tiles multicast to pairs of row
+    tiles)."""
+    rows, keys, _, copy = _device_facts(torch.device(device).index or 0, R, page_size)
+    if keys != 64:  # the mma.sync tiles stream 32 keys
+        return "mma_sync"
+    return {0: "wgmma", 1: "wgmma_tma"}.get(copy, f"wgmma_tma_x{copy}")
 
 
-def choose_splits(B: int, R: int, max_seq: int, device) -> int:
+def choose_splits(B: int, R: int, max_seq: int, device, page_size: int = 64) -> int:
     """Splits over the keys so that the grid fills one wave of the GPU without spilling into
     a second (read off the device, no sync); each split keeps one or two key tiles."""
-    rows, keys, wave = _device_facts(torch.device(device).index or 0, R)
+    rows, keys, wave, _ = _device_facts(torch.device(device).index or 0, R, page_size)
     row_tiles = -(-R // rows)
     ctas = B * row_tiles
     tiles = -(-max_seq // keys)
@@ -337,7 +344,11 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
     B, D, H, _ = q.shape
     kv = _tensor("kv_cache", kv_cache, torch.bfloat16, (None, None, QK_DIM), dev)
     page_size = kv.shape[1]
+    if kv.shape[0] < 1 or page_size < 1:
+        raise InputError(f"kv_cache: expected at least one page of at least one row, got shape {tuple(kv.shape)}")
     bt = _tensor("block_table", block_table, torch.int32, (B, None), dev)
+    if bt.shape[1] < 1:
+        raise InputError("block_table: expected at least one page a request, got 0 columns")
     _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
     if not isinstance(visibility, torch.Tensor):
         raise InputError(f"visibility: expected a torch tensor, got {type(visibility).__name__}")
@@ -351,7 +362,7 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
         raise InputError(f"scale: expected a positive float (e.g. 0.130861 for K2), got {scale!r}")
     R = D * H
     if num_splits is None:
-        num_splits = choose_splits(B, R, bt.shape[1] * page_size, dev)
+        num_splits = choose_splits(B, R, bt.shape[1] * page_size, dev, page_size)
     if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
     if out is None:
@@ -365,7 +376,7 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
         part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.float32, device=dev)
         part_l = torch.empty(B, num_splits, R, dtype=torch.float32, device=dev)
     rc = lib().kd_verify_attention(_ptr(q), _ptr(kv), _ptr(bt), _ptr(seq_lens), _ptr(visibility),
-                                   bits, B, D, H, page_size, bt.shape[1], float(scale),
+                                   bits, B, D, H, page_size, kv.shape[0], bt.shape[1], float(scale),
                                    num_splits, _ptr(out), _ptr(lse), _ptr(part_o), _ptr(part_l),
                                    _stream(dev))
     _check(rc, "verify_attention")

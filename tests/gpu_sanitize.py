@@ -37,13 +37,18 @@ def main():
     big = torch.randint(0, 3, (2, 3000), device="cuda")
     par = (torch.arange(3000, device="cuda") - 1).clamp(min=-1).int().repeat(2, 1)
     ops.tree_accept_parents(big, par, torch.tensor([2999, 100], dtype=torch.int32, device="cuda"), big, 40)
-    case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")
-    for path, splits in (("auto", 1), ("auto", 3), ("auto", 40), ("mma_sync", 1), ("mma_sync", 3), ("mma_sync", 40)):
-        ops.set_verify_path(path)  # wgmma on Hopper, then the mma.sync kernel
+    case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")  # 6 row tiles: TMA
+    for path, splits in (("auto", 1), ("auto", 3), ("auto", 40), ("mma_sync", 1), ("mma_sync", 3),
+                         ("mma_sync", 40), ("wgmma_cp_async", 3)):
+        ops.set_verify_path(path)  # wgmma on Hopper (TMA, then cp.async), the mma.sync kernel
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility, 0.130861, num_splits=splits)
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility_bits, 0.130861, num_splits=splits)
+    ops.set_verify_path("auto")
+    pairs = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles: TMA to pairs
+    ops.verify_attention(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
+                         0.130861, num_splits=2)
     torch.cuda.synchronize()
     print("sanitize run finished:", np.asarray(trees.node_counts.cpu()).tolist())
 

@@ -551,10 +551,11 @@ ATTN_GRID = [
 ]
 
 
-@pytest.fixture(params=["auto", "mma_sync"])
+@pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async"])
 def verify_path(request, ops):
-    """Both verify kernels: "auto" is wgmma on Hopper (rows > 32), "mma_sync" the kernel
-    every other GPU runs (sm_120 among them), forced here so the H200 tests it too."""
+    """Every verify kernel: "auto" is wgmma on Hopper (rows > 32; keys by TMA where the page
+    size is a multiple of 64), "mma_sync" the kernel every other GPU runs (sm_120 among
+    them), "wgmma_cp_async" the wgmma kernel's cp.async copy: forced so the H200 tests all."""
     old = ops.set_verify_path(request.param)
     yield request.param
     ops.set_verify_path(old)
@@ -567,8 +568,20 @@ def test_hopper_dispatches_to_wgmma(ops):
     try:
         assert ops._device_facts(0, 257 * 8)[:2] == (64, 64)    # the wgmma tile
         assert ops._device_facts(0, 8)[:2] == (16, 32)          # small trees: mma.sync
+        # Keys by TMA for pages of 64k rows, multicast to pairs from 16 row tiles (even).
+        assert ops.verify_kernel(257 * 8, DEV, 64) == "wgmma_tma"        # 33 row tiles
+        assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"         # 2 row tiles
+        assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma_tma_x2"     # 16 row tiles
+        assert ops.verify_kernel(64 * 16, DEV, 192) == "wgmma_tma_x2"
+        assert ops.verify_kernel(64 * 16, DEV, 32) == "wgmma"            # cp.async
+        rows, keys, wave, copy = ops._device_facts(0, 64 * 16, 64)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert copy == 2 and wave % 2 == 0 and sms - 16 <= wave <= sms
+        ops.set_verify_path("wgmma_cp_async")
+        assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma"
         ops.set_verify_path("mma_sync")
         assert ops._device_facts(0, 257 * 8)[:2] == (64, 32)
+        assert ops.verify_kernel(64 * 16, DEV, 64) == "mma_sync"
     finally:
         ops.set_verify_path(old)
 
@@ -584,6 +597,24 @@ def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, pa
 def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits):
     case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
     check_attention(ops, case, num_splits=num_splits, bits=bits)
+
+
+# The TMA copy: pairs of row tiles (16 or more, even) and single CTAs, a partial last row
+# tile, pages of 128 and 192 rows (a tile starts inside a page), ragged requests with
+# P = 0 and a last key tile that ends inside its page (NaN past it must not reach P V).
+TMA_GRID = [
+    ([0, 1, 63, 650], 125, 8, 64),    # 1000 rows: 16 row tiles in pairs, the last 40 rows
+    ([64, 3, 1000], 16, 64, 128),      # 16 row tiles in pairs
+    ([0, 300, 129], 17, 64, 192),      # 17 row tiles: single CTAs; pages of 3 tiles
+    ([700, 5], 24, 8, 64),            # 3 row tiles
+]
+
+
+@pytest.mark.parametrize("prefixes,D,H,page", TMA_GRID)
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_verify_attention_tma_paths(ops, prefixes, D, H, page, num_splits):
+    case = paged_case(prefixes, D, H, page, seed=D + page + (num_splits or 0), device=DEV)
+    check_attention(ops, case, num_splits=num_splits)
 
 
 def test_verify_attention_with_built_tree_mask(ops, verify_path):

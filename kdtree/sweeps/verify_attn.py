@@ -87,15 +87,21 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     def kernel_row(impl, kernel, t):
         return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                    num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda"), **t)
+                    num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda", page), **t)
 
-    kernel = ops.verify_kernel(D * H, "cuda")
+    kernel = ops.verify_kernel(D * H, "cuda", page)
     rows = [kernel_row("kdtree_kernel", kernel, t)]
+    # A/Bs in the same run on the same inputs: the mma.sync kernel other GPUs (sm_120) run,
+    # and where the wgmma kernel copies keys by TMA, its cp.async copy.
+    others = []
     if kernel != "mma_sync" and cfg.get("compare_kernels", True):
-        # A/B in the same run: the mma.sync kernel other GPUs (sm_120) run, on the same inputs.
-        old = ops.set_verify_path("mma_sync")
+        others.append("mma_sync")
+    if kernel.startswith("wgmma_tma") and cfg.get("compare_copy", True):
+        others.append("wgmma_cp_async")
+    for path in others:
+        old = ops.set_verify_path(path)
         try:
-            rows.append(kernel_row("kdtree_mma_sync", "mma_sync",
+            rows.append(kernel_row(f"kdtree_{path}", ops.verify_kernel(D * H, "cuda", page),
                                    time_graph(fn, replays=cfg["gpu_replays"], inner=inner)))
         finally:
             ops.set_verify_path(old)

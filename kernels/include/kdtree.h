@@ -58,7 +58,8 @@ int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
                            int64_t* bonus, void* stream);
 
 // Tree-verify attention, MLA absorbed form (spec verify_attention.md).
-// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
+// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576] (16-byte aligned for
+// the TMA copy on Hopper, else it falls back to cp.async); block_table i32
 // [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
 // or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
 // lse f32 [B, D, H] (natural log). num_splits (1..128) > 1 splits each request's keys; then
@@ -66,19 +67,24 @@ int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
 // the caller's workspace (kd_verify_workspace_bytes says how much).
 int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
                         const int32_t* seq_lens, const void* visibility, int vis_bits,
-                        int B, int D, int H, int page_size, int max_pages, float scale,
+                        int B, int D, int H, int page_size, int num_pages, int max_pages, float scale,
                         int num_splits, void* out, float* lse, float* partial_out,
                         float* partial_lse, void* stream);
 
-// The tile the current device gets for R = D*H query rows (chosen by R, the kernel path
-// below, the device's compute capability and shared memory per block): query rows per
-// CTA, keys per shared-memory tile (64 only for the wgmma kernel) and CTAs that fit one
-// SM, for sizing splits on the host.
-int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm);
+// The tile the current device gets for R = D*H query rows and this page size (chosen by
+// R, the kernel path below, the device's compute capability and shared memory per block):
+// query rows per CTA, keys per shared-memory tile (64 only for the wgmma kernel), CTAs
+// resident at once (one wave, for sizing splits on the host) and the wgmma kernel's key
+// copy (0: cp.async or not the wgmma kernel; 1: TMA; 2: TMA multicast to pairs of row
+// tiles).
+int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
+                   int* copy_path);
 
 // Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
 // sm_90a, mma.sync elsewhere), 1 = the mma.sync kernel everywhere (so a Hopper GPU tests
-// the path other GPUs take). Returns the previous setting, -1 for another value.
+// the path other GPUs take), 2 = as 0 but the wgmma kernel copies keys by cp.async, not
+// TMA (the path of page sizes that are not multiples of 64). Returns the previous
+// setting, -1 for another value.
 int kd_verify_set_path(int path);
 
 #ifdef __cplusplus

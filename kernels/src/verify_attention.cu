@@ -247,7 +247,7 @@ namespace {
 // warps on small trees), as far as the device's shared memory per block allows.
 enum class TileKind { WGMMA, T64, T32, T16 };
 
-int g_verify_path = 0;  // 0: auto; 1: mma.sync only (kd_verify_set_path, for tests)
+int g_verify_path = 0;  // 0: auto; 1: mma.sync only; 2: wgmma by cp.async (kd_verify_set_path)
 
 int pick_tile(int R, TileKind* kind) {
   int dev = 0, optin = 0, major = 0, minor = 0;
@@ -259,7 +259,7 @@ int pick_tile(int R, TileKind* kind) {
   const size_t room = (size_t)optin;
   bool wgmma = false;
 #ifdef KD_HAS_SM90A
-  wgmma = g_verify_path == 0 && major == 9 && minor == 0 && R > 32 && room >= verify_wgmma_smem_bytes();
+  wgmma = g_verify_path != 1 && major == 9 && minor == 0 && R > 32 && room >= verify_wgmma_smem_bytes();
 #endif
   if (wgmma) *kind = TileKind::WGMMA;
   else if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
@@ -309,32 +309,47 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 }  // namespace kd
 
-extern "C" int kd_verify_tile(int R, int* rows_per_cta, int* keys_per_tile, int* ctas_per_sm) {
+extern "C" int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
+                              int* copy_path) {
+  if (R < 1 || page_size < 1) return KD_ERR_ARGUMENT;
   kd::TileKind kind;
   int err = kd::pick_tile(R, &kind);
   if (err) return err;
   *rows_per_cta = kd::tile_rows(kind);
   *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
+  *copy_path = 0;
+#ifdef KD_HAS_SM90A
   if (kind == kd::TileKind::WGMMA) {
-    *ctas_per_sm = 1;  // 226 KB of shared memory a CTA
-    return 0;
+    *copy_path = kd::verify_wgmma_copy_path(R, page_size);
+    return kd::verify_wgmma_wave(R, page_size, wave_ctas);
   }
-  return kd::with_tile(kind, [&](auto tile) { return kd::ctas_per_sm<decltype(tile)>(ctas_per_sm); });
+#endif
+  int per_sm = 0, dev = 0, sms = 0;
+  err = kd::with_tile(kind, [&](auto tile) { return kd::ctas_per_sm<decltype(tile)>(&per_sm); });
+  if (err) return err;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  *wave_ctas = sms * (per_sm > 0 ? per_sm : 1);
+  return (int)e;
 }
 
 extern "C" int kd_verify_set_path(int path) {
-  if (path != 0 && path != 1) return -1;
+  if (path < 0 || path > 2) return -1;
   const int old = kd::g_verify_path;
   kd::g_verify_path = path;
+#ifdef KD_HAS_SM90A
+  kd::verify_wgmma_cp_async_only(path == 2);
+#endif
   return old;
 }
 
 extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
                                    const int32_t* seq_lens, const void* visibility, int vis_bits,
-                                   int B, int D, int H, int page_size, int max_pages, float scale,
+                                   int B, int D, int H, int page_size, int num_pages, int max_pages,
+                                   float scale,
                                    int num_splits, void* out, float* lse, float* partial_out,
                                    float* partial_lse, void* stream) {
-  if (B < 0 || D < 1 || H < 1 || page_size < 1 || max_pages < 1 || num_splits < 1)
+  if (B < 0 || D < 1 || H < 1 || page_size < 1 || num_pages < 1 || max_pages < 1 || num_splits < 1)
     return KD_ERR_ARGUMENT;
   if (num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   if (num_splits > kd::MAX_SPLITS) return KD_ERR_ARGUMENT;
@@ -347,7 +362,7 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.vis = visibility;
   p.vis_bits = vis_bits;
   p.D = D; p.H = H; p.R = D * H;
-  p.page_size = page_size; p.max_pages = max_pages; p.num_splits = num_splits;
+  p.page_size = page_size; p.num_pages = num_pages; p.max_pages = max_pages; p.num_splits = num_splits;
   p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz((unsigned)page_size) : -1;
   p.scale_log2 = scale * kd::LOG2E;
   p.out = static_cast<__nv_bfloat16*>(out);

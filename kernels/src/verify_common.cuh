@@ -20,6 +20,7 @@ struct VerifyParams {
   const void* vis;
   int vis_bits;
   int D, H, R, page_size, page_shift, max_pages, num_splits;  // page_shift: log2 or -1
+  int num_pages;  // pages in the cache (the TMA path's tensor map)
   float scale_log2;  // softmax scale * log2(e)
   __nv_bfloat16* out;
   float* lse;
@@ -116,9 +117,15 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
 // The combine of a split launch (verify_combine.cu), launched after the attention kernel.
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st);
 
-// The wgmma kernel's launcher (sm90/verify_attention_wgmma.cu; built only with sm_90a).
+// The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):
+// its launcher, shared memory a CTA, the copy path R rows and this page size take (0:
+// cp.async, else the TMA cluster size), CTAs resident at once on that path, and a switch
+// that keeps it on cp.async (kd_verify_set_path(2)).
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st);
 size_t verify_wgmma_smem_bytes();
+int verify_wgmma_copy_path(int R, int page_size);
+int verify_wgmma_wave(int R, int page_size, int* ctas);
+void verify_wgmma_cp_async_only(int on);
 // Its tile: query rows per CTA and keys per shared-memory tile.
 constexpr int WGMMA_ROWS = 64;
 constexpr int WGMMA_KEYS = 64;

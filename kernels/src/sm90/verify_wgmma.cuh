@@ -1,0 +1,411 @@
+// Tree-verify attention on Hopper tensor cores (wgmma; included only by sm_90a sources).
+//
+// Same contract as the mma.sync kernel in ../verify_attention.cu (one CTA = 64 query rows
+// of one request x one split of its keys, online softmax in float32, partials for the
+// combine kernel), but the operands stay in shared memory: wgmma reads Q, the key tile
+// and P straight from 128-byte-swizzled tiles, so no ldmatrix traffic through registers
+// (the mma.sync kernel's limit, kernels/NOTES.md). The two warpgroups have roles:
+//   warpgroup 0: S = Q K^T for all 64 keys of the tile (m64n64k16 x 36) and the softmax
+//                (whole rows in its registers: no max exchange), P and the rescale
+//                factors to shared memory;
+//   warpgroup 1: streams the next key tile in meanwhile: by cp.async (COPY = COPY_CP_ASYNC,
+//                any page size), or one of its threads issues TMA boxes (page sizes that
+//                are multiples of 64: a tile is one 64-row slab of one page);
+//   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
+//                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
+// PV of a tile overlaps S of the next (named barriers hand the buffers over). Tiles:
+// [9 column blocks][rows][64 bf16] with 128-byte rows, the 16-byte chunk index XOR-ed with
+// row % 8 (the canonical SW128 layout; 1024-byte bases), which is also what a TMA box of
+// 64 x 64 with 128-byte swizzle writes.
+//
+// With TMA, a cluster of COPY CTAs (2: consecutive row tiles of one request and
+// split, which read the same keys) shares each key tile: every CTA issues a share of the
+// tile's 9 column blocks, multicast to all of them, so each key byte leaves L2 once per
+// cluster, not once per CTA (the copy, not the math, held v3e's period: kernels/NOTES.md).
+// A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
+// one arrival per CTA).
+#pragma once
+#include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
+
+#include "../mma.cuh"
+#include "../verify_common.cuh"
+#include "tma.cuh"
+#include "verify_wgmma_paths.cuh"
+#include "wgmma.cuh"
+
+namespace kd {
+namespace {
+
+constexpr int ROWS = WGMMA_ROWS;           // one wgmma M
+constexpr int KEYS = WGMMA_KEYS;
+constexpr int THREADS = 256;               // two warpgroups
+constexpr int CHUNKS = QK_DIM / 8;         // 16-byte chunks per cache row (72)
+constexpr int BLOCK_BYTES = 128;           // one swizzled row: 64 bf16
+constexpr int Q_BYTES = QK_DIM / 64 * ROWS * BLOCK_BYTES;   // 73,728
+constexpr int KV_BYTES = QK_DIM / 64 * KEYS * BLOCK_BYTES;  // 73,728
+constexpr int P_BYTES = ROWS * KEYS * 2;                    // 8,192
+constexpr int STAGES = 2;
+constexpr size_t SMEM_BYTES = 1024 /* alignment slack */ + Q_BYTES + STAGES * KV_BYTES + P_BYTES +
+                              4 * ROWS * sizeof(float);
+static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "layout as the host sizes it");
+
+// Byte offset of 16-byte chunk `chunk` (0..71) of row `row` in a swizzled tile of `rows`.
+__device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
+  return (chunk >> 3) * rows * BLOCK_BYTES + row * BLOCK_BYTES + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// Keys [k0, k0 + 64) of request b into a swizzled tile, by warpgroup 1; rows at or past
+// `end` zero-filled (no NaN from unused pages can reach P*V). Its warp w takes rows
+// 16w..16w+15: the first 16 lanes look their pages up at once, then per row lane l copies
+// chunks l, l + 32 and (l < 8) l + 64, so the swizzle is a compile-time XOR per row.
+__device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* table, int k0, int end,
+                                          uint32_t tile, int w) {
+  const int lane = threadIdx.x & 31, r0 = w * 16;
+  size_t row_off = 0;
+  int row_ok = 0;
+  if (lane < 16 && k0 + r0 + lane < end) {
+    row_off = cache_row(p, table, k0 + r0 + lane);
+    row_ok = 1;
+  }
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const size_t off = __shfl_sync(0xffffffffu, row_off, r);
+    const int bytes = __shfl_sync(0xffffffffu, row_ok, r) ? 16 : 0;
+    const __nv_bfloat16* src = p.kv + off + lane * 8;
+    const uint32_t dst = tile + (r0 + r) * BLOCK_BYTES;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lane + 32 * i;  // (r0 + r) % 8 == r % 8
+      if (i < 2 || lane < 8)
+        cp_async16_s(dst + (c >> 3) * KEYS * BLOCK_BYTES + (((c & 7) ^ (r & 7)) << 4), src + 32 * 8 * i, bytes);
+    }
+  }
+}
+
+// TMA path, one thread of warpgroup 1: this CTA's share of key tile `j` (keys k0..k0+63,
+// one 64-row slab of one page) into slot `slot` of every CTA of the cluster. Column block
+// c goes from CTA rank c % COPY; each CTA's FULL barrier expects the whole tile.
+template <int COPY>
+__device__ __forceinline__ void issue_tile(const VerifyParams& p, const CUtensorMap* tmap,
+                                           const int32_t* table, int k0, uint32_t slot,
+                                           uint32_t full, uint32_t rank) {
+  const int page = table[k0 / p.page_size];
+  const int y = page * p.page_size + k0 % p.page_size;
+  mbar_arrive_expect_tx(full, KV_BYTES);
+#pragma unroll
+  for (int c = 0; c < QK_DIM / 64; ++c) {
+    if (c % COPY != (int)rank) continue;
+    const uint32_t dst = slot + c * KEYS * BLOCK_BYTES;
+    if constexpr (COPY == 1) tma_load_2d(dst, tmap, c * 64, y, full);
+    else tma_load_2d_multicast(dst, tmap, c * 64, y, full, (uint16_t)((1u << COPY) - 1));
+  }
+}
+
+// COPY: COPY_CP_ASYNC, or the TMA cluster size (1, 2; launched with that cluster shape).
+template <int COPY>
+__global__ void __launch_bounds__(THREADS, 1)
+verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool TMA = COPY != COPY_CP_ASYNC;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t sQ = (raw + 1023) & ~1023u;  // swizzle atoms repeat every 1024 bytes
+  const uint32_t sKV = sQ + Q_BYTES, sP = sKV + STAGES * KV_BYTES;
+  unsigned char* gP = smem_raw + (sP - raw);
+  float* sAlpha = reinterpret_cast<float*>(gP + P_BYTES);  // per row, this tile's rescale
+  float* sL = sAlpha + ROWS;                                // per row, at the end: sum, max
+  float* sM = sL + ROWS;
+  // TMA path: FULL(s) completes when slot s holds its tile, EMPTY(s) when every CTA of
+  // the cluster has released it (in the 4th float row's room: 4 x 8 bytes).
+  const uint32_t bar_full = smem_addr(sM + ROWS), bar_empty = bar_full + 16;
+
+  const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2;
+  const int g = lane >> 2, t = lane & 3;
+  const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
+  const int32_t* table = p.block_table + (size_t)b * p.max_pages;
+  const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
+  const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
+  const int unmasked_end = min(P, k_end);  // keys below this need no mask
+  const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
+  const uint32_t rank = COPY > 1 ? cluster_rank() : 0;
+
+  if constexpr (TMA) {
+    if (tid == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(bar_full + 8 * s, 1);
+        mbar_init(bar_empty + 8 * s, COPY);
+      }
+      mbar_init_fence();
+    }
+    if constexpr (COPY > 1) cluster_sync();  // no copy or arrival before every CTA's init
+    else __syncthreads();
+    if (producer && ntiles > 0) issue_tile<COPY>(p, &tmap, table, k_begin, sKV, bar_full, rank);
+  }
+  // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
+  for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
+    const int r = c / CHUNKS, ch = c - r * CHUNKS;
+    const bool ok = m0 + r < p.R;
+    const __nv_bfloat16* src = ok ? p.q + ((size_t)b * p.R + m0 + r) * QK_DIM + ch * 8 : p.q;
+    cp_async16_s(sQ + sw128_offset(ROWS, r, ch), src, ok ? 16 : 0);
+  }
+  if (!TMA && wg == 1 && ntiles > 0) load_keys(p, table, k_begin, k_end, sKV, warp - 4);
+  cp_async_commit();
+  if constexpr (TMA) {  // Q by cp.async: waited for once, here
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  }
+
+  float o[128];  // wgmma's accumulator order: o[4j + e] is element e of 8-column block j
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  const auto o_at = [&](int j, int e) -> float& { return o[4 * j + e]; };
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // warpgroup 0's rows
+  const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
+
+  // The tiles flow through a pipeline: PV of tile i is issued without waiting, so the
+  // tensor cores go on from warpgroup 1's PV(i) to S(i+1). Named barriers (ids 1-3, both
+  // warpgroups) hand the shared buffers over:
+  //   P_READY (1): warpgroup 0 wrote P(i) and the rescale factors;
+  //   KV_FREE (2): warpgroup 0's PV(i-1) finished, so tile i-1's slot may be refilled
+  //                (arrived after the barrier that starts tile i, so an arrival can
+  //                never be counted for the previous tile's);
+  //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
+  // On the TMA path every thread waits for tile i on FULL(i % 2) instead of the
+  // __syncthreads; the named barriers alone keep the warpgroups within one tile.
+  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3;
+  for (int it = 0; it < ntiles; ++it) {
+    if constexpr (TMA) {
+      mbar_wait(bar_full + 8 * (it & 1), (it >> 1) & 1);
+    } else {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();  // tile `it` landed (and both PVs of tile it-1 are issued)
+    }
+    const uint32_t sK = sKV + (it & 1) * KV_BYTES;
+    const int k0 = k_begin + it * KEYS;
+    float alpha[2];
+    if (wg == 0) {
+      // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
+      float s[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      // PV(it-1) must finish before its key slot is refilled; waiting for it here, not
+      // after S(it), starts the next tile's copy ~1,000 cycles sooner (measured: 69 -> 74%
+      // of roofline at H 8, D 64, P 32k, B 16). wait_group 1 after S would overlap more,
+      // but ptxas then serialises every wgmma (45%).
+      wgmma_wait<0>();
+      named_arrive(KV_FREE, THREADS);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+        const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+        wgmma_m64n64k16(s, sw128_desc(sQ + col * ROWS * BLOCK_BYTES + step, 16, 1024),
+                        sw128_desc(sK + col * KEYS * BLOCK_BYTES + step, 16, 1024), kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      reg_fence(s);
+      reg_fence(o);
+
+      // Mask keys past the range and tree keys the slot does not see (prefix tiles skip
+      // the lookups). Raw scores: the scale (> 0) is folded into the exponent's FFMA.
+      if (k0 + KEYS > unmasked_end) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const int key = k0 + (i >> 2) * 8 + 2 * t + (i & 1);
+          const int slot = (i & 2) ? slot1 : slot0;
+          bool ok = key < k_end;
+          if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
+          if (!ok) s[i] = -INFINITY;
+        }
+      }
+      // A TMA tile is a whole page slab: its rows past the split's end hold whatever
+      // the page holds (NaN in the tests) and P = 0 does not cancel NaN in PV, so they
+      // are zeroed once S has read them (the last tile only; fenced before P_READY).
+      if (TMA && k0 + KEYS > k_end) {
+        const int first = k_end - k0;
+        for (int q = tid; q < (KEYS - first) * CHUNKS; q += 128) {
+          const int r = first + q / CHUNKS, c = q % CHUNKS;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n"
+                       ::"r"(sK + (c >> 3) * KEYS * BLOCK_BYTES + r * BLOCK_BYTES + ((c & 7) << 4)), "r"(0)
+                       : "memory");
+        }
+      }
+      // Row maxima as trees (not a 16-long dependent chain): rows g (h = 0) and g + 8.
+      float msafe[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float m8[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+#pragma unroll
+        for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+          for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
+        float mx = fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2)) * p.scale_log2;
+        const float m_new = fmaxf(m_run[h], mx);
+        msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
+        alpha[h] = exp2f(m_run[h] - msafe[h]);
+        m_run[h] = m_new;
+      }
+      named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
+      // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
+      // -> chunk j; row sums as trees.
+      float sum0[8], sum1[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = exp2f(fmaf(s[4 * j], p.scale_log2, -msafe[0]));
+        const float p1 = exp2f(fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]));
+        const float p2 = exp2f(fmaf(s[4 * j + 2], p.scale_log2, -msafe[1]));
+        const float p3 = exp2f(fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]));
+        sum0[j] = p0 + p1;
+        sum1[j] = p2 + p3;
+        const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
+        *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
+      }
+#pragma unroll
+      for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) { sum0[j] += sum0[j + w]; sum1[j] += sum1[j + w]; }
+      float sum[2] = {sum0[0], sum1[0]};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        l_run[h] = l_run[h] * alpha[h] + sum[h];
+      }
+      if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+      rescale_rows(alpha, o_at);
+      fence_proxy_async();
+      named_arrive(P_READY, THREADS);
+    } else {
+      wgmma_wait<0>();  // this warpgroup's PV(it-1)
+      reg_fence(o);
+      named_arrive(P_FREE, THREADS);
+      named_sync(KV_FREE, THREADS);
+      // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
+      const int nx = it + 1;
+      if constexpr (TMA) {
+        if (producer && nx < ntiles) {
+          const uint32_t s = nx & 1;
+          if (nx >= STAGES) {  // the slot held tile it-1: released here, refilled when all have
+            for (int r = 0; r < COPY; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
+            mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
+          }
+          issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+        }
+      } else {
+        if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
+        cp_async_commit();
+      }
+      named_sync(P_READY, THREADS);
+      alpha[0] = sAlpha[rbase + g];
+      alpha[1] = sAlpha[rbase + g + 8];
+      rescale_rows(alpha, o_at);
+    }
+    // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
+    // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not waited
+    // for here (see above).
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) {
+      wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
+                          sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
+                                     KEYS * BLOCK_BYTES, 1024));
+    }
+    wgmma_commit();
+  }
+  wgmma_wait<0>();
+  reg_fence(o);
+  cp_async_wait<0>();
+  // No CTA of a cluster leaves while another may still arrive on its barriers.
+  if constexpr (COPY > 1) cluster_sync();
+
+  if (wg == 0 && t == 0) {
+    sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
+    sM[rbase + g] = m_run[0]; sM[rbase + g + 8] = m_run[1];
+  }
+  __syncthreads();
+
+  const int r = rbase + g;
+  const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
+  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, o_at);
+#else
+  __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
+#endif
+}
+
+// Launches the kernel of copy path COPY (TMA ones in clusters of COPY along the row tiles;
+// grid.x must then be a multiple of COPY). Each instantiation sits in its own source file.
+template <int COPY>
+int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
+  auto kernel = verify_attention_wgmma_kernel<COPY>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+  if (e != cudaSuccess) return (int)e;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ceil_div(p.R, ROWS), p.num_splits, B);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = COPY > 1 ? COPY : 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = COPY > 1 ? 1 : 0;
+  e = cudaLaunchKernelEx(&cfg, kernel, p, tmap);
+  return (int)e;
+}
+
+// CTAs of path COPY that are resident at once on this device (clusters of COPY fit the
+// GPCs, so fewer than one an SM may be).
+template <int COPY>
+int wgmma_path_wave(int* ctas) {
+  auto kernel = verify_attention_wgmma_kernel<COPY>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+  if (e != cudaSuccess) return (int)e;
+  if (COPY <= 1) {  // one CTA an SM
+    int dev = 0, sms = 0;
+    e = cudaGetDevice(&dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    *ctas = sms;
+    return (int)e;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(COPY > 1 ? COPY : 1, 1, 1);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = COPY > 1 ? COPY : 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  if (e != cudaSuccess) return (int)e;
+  *ctas = clusters * (COPY > 1 ? COPY : 1);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kd
+
+// The per-path entry points (verify_wgmma_paths.cuh), defined by each instantiation file.
+#define KD_DEFINE_WGMMA_PATH(COPY)                                                               \
+  namespace kd {                                                                                 \
+  template <>                                                                                    \
+  int launch_verify_wgmma_path<COPY>(const VerifyParams& p, const CUtensorMap& m, int B,         \
+                                     cudaStream_t st) {                                          \
+    return launch_wgmma_path<COPY>(p, m, B, st);                                                 \
+  }                                                                                              \
+  template <>                                                                                    \
+  int verify_wgmma_path_wave<COPY>(int* ctas) { return wgmma_path_wave<COPY>(ctas); }            \
+  }

@@ -1,0 +1,29 @@
+// Host entry points of the wgmma verify kernel's copy paths (sm_90a builds only). Each
+// path is instantiated in its own source file (verify_wgmma_*.cu) so they build in parallel;
+// verify_attention_wgmma.cu picks one per launch.
+#pragma once
+#include <cuda.h>  // CUtensorMap (the type only)
+
+#include "../verify_common.cuh"
+
+namespace kd {
+
+// Key-tile copy paths: cp.async by warpgroup 1 (any page size), or TMA issued by one
+// thread, in clusters of 1 or 2 CTAs (pairs share each tile by multicast).
+constexpr int COPY_CP_ASYNC = 0;
+
+// Shared memory of a CTA: Q and two key tiles of 576 columns x 64 rows (bf16, 128-byte
+// swizzled), P (64 x 64 bf16), four float rows (rescale, sums, maxima, and the mbarriers of
+// the TMA path), plus 1 KB to align the tiles: 231,424 of Hopper's 232,448.
+constexpr int WGMMA_TILE_BYTES = QK_DIM / 64 * 64 * 128;
+constexpr size_t WGMMA_SMEM_BYTES = 1024 + 3 * WGMMA_TILE_BYTES + 64 * 64 * 2 + 4 * 64 * sizeof(float);
+
+// Launches path COPY over the grid (row tiles, splits, B); a TMA path reads the cache
+// through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of COPY.
+template <int COPY>
+int launch_verify_wgmma_path(const VerifyParams& p, const CUtensorMap& kv_map, int B, cudaStream_t st);
+// CTAs of path COPY resident at once on the current device.
+template <int COPY>
+int verify_wgmma_path_wave(int* ctas);
+
+}  // namespace kd
