@@ -64,9 +64,11 @@ def tree_build(df: pd.DataFrame, path):
 
 
 # What each verify `impl` is, for legends: "kdtree_kernel" is what the library dispatches on
-# the measuring GPU (wgmma on Hopper for more than 32 query rows, mma.sync otherwise).
+# the measuring GPU (wgmma on Hopper for more than 32 query rows, keys by TMA where the
+# page size allows; mma.sync otherwise); the others are same-run A/Bs on the same inputs.
 VERIFY_IMPLS = {"kdtree_kernel": "kdtree (dispatched kernel)",
                 "kdtree_mma_sync": "kdtree, mma.sync kernel (sm_120's)",
+                "kdtree_wgmma_cp_async": "kdtree, wgmma with cp.async keys (not TMA)",
                 "torch_sdpa_tree_mask": "torch SDPA + tree mask"}
 
 

@@ -35,14 +35,14 @@ def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
         out.append(_row(*names[0], "-", None))
     else:
         med, lo = c.roofline_fraction.median(), c.roofline_fraction.min()
-        out.append(_row(*names[0], f"median {med:.0%}, min {lo:.0%} ({len(c)} points)",
+        out.append(_row(*names[0], f"median {med:.1%}, min {lo:.1%} ({len(c)} points)",
                         med >= 0.75 and lo >= 0.60))
     m = k[(hd < 64) & (k.batch >= 16)]
     if m.empty:
         out.append(_row(*names[1], "-", None))
     else:
         lo, med = m.copy_fraction.min(), m.copy_fraction.median()
-        out.append(_row(*names[1], f"min {lo:.0%}, median {med:.0%} ({len(m)} points)", lo >= 0.85))
+        out.append(_row(*names[1], f"min {lo:.1%}, median {med:.1%} ({len(m)} points)", lo >= 0.85))
     b1 = k[k.batch == 1]
     if b1.empty:
         out.append(_row(*names[2], "-", None))
