@@ -173,13 +173,14 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   //                (arrived after the barrier that starts tile i, so an arrival can
   //                never be counted for the previous tile's);
   //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
-  // On the TMA path every thread waits for tile i on FULL(i % 2) instead of the
-  // __syncthreads; the named barriers alone keep the warpgroups within one tile.
+  // On the TMA path no barrier starts a tile: warpgroup 0 waits on FULL(i % 2) after it
+  // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
+  // still be landing; warpgroup 1 reads the tile only after P_READY. The named barriers
+  // alone keep the warpgroups within one tile.
   constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3;
   for (int it = 0; it < ntiles; ++it) {
-    if constexpr (TMA) {
-      mbar_wait(bar_full + 8 * (it & 1), (it >> 1) & 1);
-    } else {
+    const uint32_t parity = (it >> 1) & 1;
+    if constexpr (!TMA) {
       cp_async_wait<0>();
       fence_proxy_async();
       __syncthreads();  // tile `it` landed (and both PVs of tile it-1 are issued)
@@ -198,6 +199,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       // but ptxas then serialises every wgmma (45%).
       wgmma_wait<0>();
       named_arrive(KV_FREE, THREADS);
+      if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < QK_DIM / 16; ++kk) {
@@ -304,6 +306,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         cp_async_commit();
       }
       named_sync(P_READY, THREADS);
+      // S(it) has read the tile, so this passes at once; it makes the copy visible to
+      // this warpgroup's PV as well.
+      if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
       alpha[0] = sAlpha[rbase + g];
       alpha[1] = sAlpha[rbase + g + 8];
       rescale_rows(alpha, o_at);
