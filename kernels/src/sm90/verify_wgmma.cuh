@@ -170,8 +170,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // warpgroups) hand the shared buffers over:
   //   P_READY (1): warpgroup 0 wrote P(i) and the rescale factors;
   //   KV_FREE (2): warpgroup 0's PV(i-1) finished, so tile i-1's slot may be refilled
-  //                (arrived after the barrier that starts tile i, so an arrival can
-  //                never be counted for the previous tile's);
+  //                (warpgroup 0 arrives for tile i+1 only after P_FREE(i), which
+  //                warpgroup 1 arrives after its KV_FREE(i) sync: no generation is
+  //                counted twice);
   //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
   // On the TMA path no barrier starts a tile: warpgroup 0 waits on FULL(i % 2) after it
   // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
@@ -288,8 +289,11 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     } else {
       wgmma_wait<0>();  // this warpgroup's PV(it-1)
       reg_fence(o);
-      named_arrive(P_FREE, THREADS);
+      // KV_FREE before P_FREE: warpgroup 0 cannot then pass P_FREE and arrive on KV_FREE
+      // for the next tile before this warpgroup has synced on it for this one (no
+      // __syncthreads separates tiles on the TMA path).
       named_sync(KV_FREE, THREADS);
+      named_arrive(P_FREE, THREADS);
       // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
       const int nx = it + 1;
       if constexpr (TMA) {
