@@ -6,7 +6,7 @@
 // the runtime (cudaGetDriverEntryPointByVersion: nothing links libcuda). Otherwise, or
 // when the caller forces it (kd_verify_set_path(2)), warpgroup 1 copies by cp.async.
 // Clusters: multicast to pairs of row tiles pays only where many row tiles share each
-// key tile (H200, same-run A/B, B 16: +1-2% of the roofline at 16-64 row tiles, -3 to -6%
+// key tile (H200, same-run A/B, B 16: +1-2% of the roofline at 16-64 row tiles, -2 to -8%
 // at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
 // formed from 16 row tiles on, when their count is even; KD_VERIFY_MULTICAST=0 at build
 // time turns them off.
