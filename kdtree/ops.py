@@ -48,9 +48,10 @@ def lib() -> ctypes.CDLL:
     so.kd_verify_tile.argtypes = [_I, _I] + [ctypes.POINTER(_I)] * 4
     so.kd_build_set_smem_limit.argtypes = [_I]
     so.kd_verify_set_path.argtypes = [_I]
+    so.kd_verify_merges.argtypes = [_I] * 4 + [ctypes.POINTER(_I)]
     for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_tree_accept_parents,
               so.kd_verify_attention, so.kd_verify_tile,
-              so.kd_build_set_smem_limit, so.kd_verify_set_path):
+              so.kd_build_set_smem_limit, so.kd_verify_set_path, so.kd_verify_merges):
         f.restype = _I
     return so
 
@@ -292,14 +293,17 @@ def _device_facts(index: int, R: int, page_size: int = 64):
 
 
 # "wgmma_cp_async": the wgmma kernel with its cp.async key copy even where TMA fits (the
-# path of page sizes that are not multiples of 64; for tests and same-run A/Bs).
-VERIFY_PATHS = ("auto", "mma_sync", "wgmma_cp_async")
+# path of page sizes that are not multiples of 64); "wgmma_combine": key splits merged by
+# the combine kernel even where they could merge in a cluster. For tests and same-run A/Bs.
+VERIFY_PATHS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
 
 
 def set_verify_path(path: str) -> str:
     """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere), "mma_sync"
-    (the kernel other GPUs run, also on Hopper: for tests) or "wgmma_cp_async" (as auto,
-    keys copied by cp.async, not TMA). Returns the previous setting."""
+    (the kernel other GPUs run, also on Hopper: for tests), "wgmma_cp_async" (as auto,
+    keys copied by cp.async, not TMA) or "wgmma_combine" (as auto, key splits always
+    merged through float32 partials and the combine kernel). Returns the previous
+    setting."""
     if path not in VERIFY_PATHS:
         raise InputError(f"path: expected one of {VERIFY_PATHS}, got {path!r}")
     old = lib().kd_verify_set_path(VERIFY_PATHS.index(path))
@@ -315,6 +319,19 @@ def verify_kernel(R: int, device, page_size: int = 64) -> str:
     if keys != 64:  # the mma.sync tiles stream 32 keys
         return "mma_sync"
     return {0: "wgmma", 1: "wgmma_tma"}.get(copy, f"wgmma_tma_x{copy}")
+
+
+def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64) -> str:
+    """How a launch of B requests of R rows merges its key splits on `device` now: "none"
+    (one split), "cluster" (in the attention kernel, through distributed shared memory:
+    Hopper's TMA path, 2..8 splits whose clusters all fit at once) or "combine_kernel"
+    (float32 partials, then the combine kernel)."""
+    if num_splits <= 1:
+        return "none"
+    merges = _I()
+    with torch.cuda.device(torch.device(device).index or 0):
+        _check(lib().kd_verify_merges(B, R, page_size, num_splits, ctypes.byref(merges)), "kd_verify_merges")
+    return "cluster" if merges.value else "combine_kernel"
 
 
 def choose_splits(B: int, R: int, max_seq: int, device, page_size: int = 64) -> int:

@@ -551,11 +551,12 @@ ATTN_GRID = [
 ]
 
 
-@pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async"])
+@pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async", "wgmma_combine"])
 def verify_path(request, ops):
     """Every verify kernel: "auto" is wgmma on Hopper (rows > 32; keys by TMA where the page
-    size is a multiple of 64), "mma_sync" the kernel every other GPU runs (sm_120 among
-    them), "wgmma_cp_async" the wgmma kernel's cp.async copy: forced so the H200 tests all."""
+    size is a multiple of 64; 2..8 splits merged in clusters), "mma_sync" the kernel every
+    other GPU runs (sm_120 among them), "wgmma_cp_async" the wgmma kernel's cp.async copy,
+    "wgmma_combine" its splits merged by the combine kernel: forced so the H200 tests all."""
     old = ops.set_verify_path(request.param)
     yield request.param
     ops.set_verify_path(old)
@@ -577,11 +578,27 @@ def test_hopper_dispatches_to_wgmma(ops):
         rows, keys, wave, copy = ops._device_facts(0, 64 * 16, 64)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert copy == 2 and wave % 2 == 0 and sms - 16 <= wave <= sms
+        # Splits on the TMA path: 2..8 merge in clusters where the clusters all fit at once.
+        assert ops.split_merge(16, 16 * 8, 1, DEV, 64) == "none"
+        assert ops.split_merge(1, 16 * 8, 4, DEV, 64) == "cluster"       # 2 clusters of 4
+        assert ops.split_merge(1, 16 * 8, 8, DEV, 64) == "cluster"
+        assert ops.split_merge(1, 16 * 8, 9, DEV, 64) == "combine_kernel"     # above 8
+        assert ops.split_merge(1024, 16 * 8, 2, DEV, 64) == "combine_kernel"  # 2048 clusters
+        assert ops.split_merge(1, 16 * 8, 4, DEV, 32) == "combine_kernel"     # cp.async copy
+        if sms == 132:  # H100/H200 SXM: 30 clusters of 4 fit at once, 66 of 2
+            assert ops.split_merge(16, 16 * 8, 4, DEV, 64) == "combine_kernel"
+            assert ops.split_merge(15, 16 * 8, 4, DEV, 64) == "cluster"
+            assert ops.split_merge(33, 16 * 8, 2, DEV, 64) == "cluster"
+        ops.set_verify_path("wgmma_combine")
+        assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"
+        assert ops.split_merge(1, 16 * 8, 4, DEV, 64) == "combine_kernel"
         ops.set_verify_path("wgmma_cp_async")
         assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma"
+        assert ops.split_merge(1, 16 * 8, 4, DEV, 64) == "combine_kernel"
         ops.set_verify_path("mma_sync")
         assert ops._device_facts(0, 257 * 8)[:2] == (64, 32)
         assert ops.verify_kernel(64 * 16, DEV, 64) == "mma_sync"
+        assert ops.split_merge(1, 16 * 8, 4, DEV, 64) == "combine_kernel"
     finally:
         ops.set_verify_path(old)
 
@@ -617,6 +634,27 @@ def test_verify_attention_tma_paths(ops, prefixes, D, H, page, num_splits):
     check_attention(ops, case, num_splits=num_splits)
 
 
+# The cluster merge (Hopper, TMA path, 2..8 splits): a partial last row tile (rows past R
+# merge nothing), P = 0 requests whose later splits hold no keys (weight 0), pages of 128,
+# and every cluster size. NaN-poisoned out and lse must be fully written.
+MERGE_GRID = [
+    ([0, 650], 17, 8, 64),            # 3 row tiles, the last of 8 rows
+    ([8192], 16, 16, 128),            # 4 row tiles
+    ([3000], 64, 8, 64),              # 8 row tiles
+]
+
+
+@pytest.mark.parametrize("prefixes,D,H,page", MERGE_GRID)
+@pytest.mark.parametrize("num_splits", [2, 3, 4, 5, 6, 7, 8])
+def test_verify_attention_cluster_merge(ops, prefixes, D, H, page, num_splits):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cluster merge: Hopper (sm_90) only")
+    case = paged_case(prefixes, D, H, page, seed=D + H + num_splits, device=DEV)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # fits 15+ of each size
+        assert ops.split_merge(len(prefixes), D * H, num_splits, DEV, page) == "cluster"
+    check_attention(ops, case, num_splits=num_splits)
+
+
 def test_verify_attention_with_built_tree_mask(ops, verify_path):
     budgets = np.array([63, 10, 1, 63])
     tb = build_trees(*stage_a_inputs(4, 15, 1000, 63, seed=3), budgets)
@@ -635,6 +673,11 @@ def test_verify_attention_argument_errors(ops):
     with pytest.raises(InputError, match=r"num_splits: expected an integer in \[1, 128\]"):
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
                              SCALE, num_splits=129)
+    with pytest.raises(InputError, match="kv_cache: expected at least one page"):
+        ops.verify_attention(case.q, case.kv_cache[:0], case.block_table, case.seq_lens, case.visibility, SCALE)
+    with pytest.raises(InputError, match="block_table: expected at least one page a request"):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table[:, :0], case.seq_lens, case.visibility,
+                             SCALE)
 
 
 # ---------------------------------------------------------------- one round in one graph
@@ -682,16 +725,17 @@ def test_round_captures_in_one_cuda_graph(ops):
             assert torch.equal(a, b)
 
 
-def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path):
-    """The combine launches as a programmatic dependent of the attention kernel: captured
-    into a graph and replayed on fresh queries, it must still see finished partials."""
+@pytest.mark.parametrize("num_splits", [4, 32])
+def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_splits):
+    """Splits captured into a graph and replayed on fresh queries: merged in clusters (4 on
+    Hopper's auto path) or by the combine kernel, which must still see finished partials."""
     case = paged_case([4000, 1000, 0], 17, 8, 64, seed=21, device=DEV)
     B, D, H, _ = case.q.shape
     q = case.q.clone()
     out = torch.empty(B, D, H, 512, dtype=torch.bfloat16, device=DEV)
     lse = torch.empty(B, D, H, dtype=torch.float32, device=DEV)
     run = lambda: ops.verify_attention(q, case.kv_cache, case.block_table, case.seq_lens,
-                                       case.visibility, SCALE, num_splits=32, out=out, lse=lse)
+                                       case.visibility, SCALE, num_splits=num_splits, out=out, lse=lse)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -84,20 +84,24 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     nbytes = attention_bytes(B, D, H, P)
     base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), cache_copies=copies,
                 **ceilings)
-    def kernel_row(impl, kernel, t):
+    def kernel_row(impl, kernel, t):  # called while the path it timed is still set
+        splits = ops.choose_splits(B, D * H, table.shape[1] * page, "cuda", page)
         return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                    num_splits=ops.choose_splits(B, D * H, table.shape[1] * page, "cuda", page), **t)
+                    num_splits=splits, split_merge=ops.split_merge(B, D * H, splits, "cuda", page), **t)
 
     kernel = ops.verify_kernel(D * H, "cuda", page)
     rows = [kernel_row("kdtree_kernel", kernel, t)]
-    # A/Bs in the same run on the same inputs: the mma.sync kernel other GPUs (sm_120) run,
-    # and where the wgmma kernel copies keys by TMA, its cp.async copy.
+    # A/Bs in the same run on the same inputs: the mma.sync kernel other GPUs (sm_120) run;
+    # where the wgmma kernel copies keys by TMA, its cp.async copy; where its splits merge
+    # in clusters, the combine kernel instead.
     others = []
     if kernel != "mma_sync" and cfg.get("compare_kernels", True):
         others.append("mma_sync")
     if kernel.startswith("wgmma_tma") and cfg.get("compare_copy", True):
         others.append("wgmma_cp_async")
+    if rows[0]["split_merge"] == "cluster" and cfg.get("compare_merge", True):
+        others.append("wgmma_combine")
     for path in others:
         old = ops.set_verify_path(path)
         try:

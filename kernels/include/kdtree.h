@@ -80,11 +80,18 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
 int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
                    int* copy_path);
 
+// Whether a launch of B requests, R rows each, with these splits merges the splits inside
+// the attention kernel (*merges = 1: Hopper's TMA path with 2..8 splits whose clusters all
+// fit on the GPU at once; no partials are written and no combine kernel runs) or, with
+// several splits, through partial_out/partial_lse and the combine kernel (*merges = 0).
+int kd_verify_merges(int B, int R, int page_size, int num_splits, int* merges);
+
 // Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
 // sm_90a, mma.sync elsewhere), 1 = the mma.sync kernel everywhere (so a Hopper GPU tests
 // the path other GPUs take), 2 = as 0 but the wgmma kernel copies keys by cp.async, not
-// TMA (the path of page sizes that are not multiples of 64). Returns the previous
-// setting, -1 for another value.
+// TMA (the path of page sizes that are not multiples of 64), 3 = as 0 but key splits
+// always merge through the partials and the combine kernel. Returns the previous setting,
+// -1 for another value.
 int kd_verify_set_path(int path);
 
 #ifdef __cplusplus

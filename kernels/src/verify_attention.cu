@@ -247,7 +247,8 @@ namespace {
 // warps on small trees), as far as the device's shared memory per block allows.
 enum class TileKind { WGMMA, T64, T32, T16 };
 
-int g_verify_path = 0;  // 0: auto; 1: mma.sync only; 2: wgmma by cp.async (kd_verify_set_path)
+int g_verify_path = 0;  // kd_verify_set_path: 0 auto; 1 mma.sync only; 2 wgmma by cp.async;
+                        // 3 splits through the combine kernel
 
 int pick_tile(int R, TileKind* kind) {
   int dev = 0, optin = 0, major = 0, minor = 0;
@@ -334,13 +335,25 @@ extern "C" int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys
 }
 
 extern "C" int kd_verify_set_path(int path) {
-  if (path < 0 || path > 2) return -1;
+  if (path < 0 || path > 3) return -1;
   const int old = kd::g_verify_path;
   kd::g_verify_path = path;
 #ifdef KD_HAS_SM90A
-  kd::verify_wgmma_cp_async_only(path == 2);
+  kd::verify_wgmma_set_path(path);
 #endif
   return old;
+}
+
+extern "C" int kd_verify_merges(int B, int R, int page_size, int num_splits, int* merges) {
+  if (B < 0 || R < 1 || page_size < 1 || num_splits < 1) return KD_ERR_ARGUMENT;
+  kd::TileKind kind;
+  const int err = kd::pick_tile(R, &kind);
+  if (err) return err;
+  *merges = 0;
+#ifdef KD_HAS_SM90A
+  if (kind == kd::TileKind::WGMMA) *merges = kd::verify_wgmma_merges(B, R, page_size, num_splits);
+#endif
+  return 0;
 }
 
 extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
@@ -373,11 +386,12 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   kd::TileKind kind;
   int rc = kd::pick_tile(p.R, &kind);
   if (rc) return rc;
+  bool merged = false;  // the splits merged in the attention kernel (clusters on Hopper)
 #ifdef KD_HAS_SM90A
-  if (kind == kd::TileKind::WGMMA) rc = kd::launch_verify_wgmma(p, B, st);
+  if (kind == kd::TileKind::WGMMA) rc = kd::launch_verify_wgmma(p, B, st, &merged);
   else
 #endif
     rc = kd::with_tile(kind, [&](auto tile) { return kd::launch<decltype(tile)>(p, B, st); });
   if (rc) return rc;
-  return num_splits > 1 ? kd::launch_verify_combine(p, B, st) : 0;
+  return num_splits > 1 && !merged ? kd::launch_verify_combine(p, B, st) : 0;
 }

@@ -118,14 +118,17 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st);
 
 // The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):
-// its launcher, shared memory a CTA, the copy path R rows and this page size take (0:
-// cp.async, else the TMA cluster size), CTAs resident at once on that path, and a switch
-// that keeps it on cp.async (kd_verify_set_path(2)).
-int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st);
+// its launcher (`merged`: the splits merged in the kernel, so no combine follows), shared
+// memory a CTA, the copy path R rows and this page size take (0: cp.async, else the TMA
+// cluster size), CTAs resident at once on that path, whether a launch of B requests with
+// these splits merges them in clusters, and kd_verify_set_path's switches (2: cp.async
+// copy, 3: no cluster merge).
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged);
 size_t verify_wgmma_smem_bytes();
 int verify_wgmma_copy_path(int R, int page_size);
 int verify_wgmma_wave(int R, int page_size, int* ctas);
-void verify_wgmma_cp_async_only(int on);
+bool verify_wgmma_merges(int B, int R, int page_size, int num_splits);
+void verify_wgmma_set_path(int path);
 // Its tile: query rows per CTA and keys per shared-memory tile.
 constexpr int WGMMA_ROWS = 64;
 constexpr int WGMMA_KEYS = 64;

@@ -10,6 +10,15 @@
 // at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
 // formed from 16 row tiles on, when their count is even; KD_VERIFY_MULTICAST=0 at build
 // time turns them off.
+// Splits: 2..8 key splits of a row tile on the TMA path run as one cluster that merges
+// them in distributed shared memory (verify_wgmma.cuh), where those clusters all fit on
+// the GPU at once (H200: 66 clusters of 2, 39 of 3, 30 of 4, 15 of 8); the merge takes
+// precedence over pairs. Otherwise, or when the caller forces it (kd_verify_set_path(3)),
+// the splits write float32 partials for the combine kernel. (Clusters of a divisor of the
+// splits, their partials then merged by the combine kernel, cost more than they saved at
+// B 16: kernels/NOTES.md, v6.)
+#include <atomic>
+
 #include "verify_wgmma_paths.cuh"
 
 #ifndef KD_VERIFY_MULTICAST
@@ -70,6 +79,7 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
 }
 
 int g_cp_async_only = 0;  // kd_verify_set_path(2): the cp.async path even where TMA fits
+int g_no_merge = 0;       // kd_verify_set_path(3): splits through the combine kernel
 
 // The path for R query rows and this page size: COPY_CP_ASYNC or a TMA cluster size.
 int copy_path(int R, int page_size, int64_t rows) {
@@ -80,29 +90,60 @@ int copy_path(int R, int page_size, int64_t rows) {
   return KD_VERIFY_MULTICAST && row_tiles >= PAIRS_FROM_ROW_TILES && row_tiles % 2 == 0 ? 2 : 1;
 }
 
+// Clusters of `splits` CTAs (MERGE) resident at once on device `dev`, asked once per
+// device and size (kept plus one: static zeros mean not asked; 0 when the query failed,
+// and then the merge is skipped).
+int merge_clusters(int dev, int splits) {
+  constexpr int DEVICES = 64;
+  static std::atomic<int> known[DEVICES][WGMMA_MERGE_MAX_SPLITS + 1];
+  if (dev < 0 || dev >= DEVICES) return 0;
+  int n = known[dev][splits].load(std::memory_order_relaxed) - 1;
+  if (n < 0) {
+    int ctas = 0;
+    n = verify_wgmma_path_wave<1, true>(splits, &ctas) == 0 ? ctas / splits : 0;
+    cudaGetLastError();  // a failed query leaves no error behind for the caller's next check
+    known[dev][splits].store(n + 1, std::memory_order_relaxed);
+  }
+  return n;
+}
+
 }  // namespace
 
-void verify_wgmma_cp_async_only(int on) { g_cp_async_only = on; }
+void verify_wgmma_set_path(int path) {
+  g_cp_async_only = path == 2;
+  g_no_merge = path == 3;
+}
 
 int verify_wgmma_copy_path(int R, int page_size) { return copy_path(R, page_size, 0); }
 
 int verify_wgmma_wave(int R, int page_size, int* ctas) {
   switch (copy_path(R, page_size, 0)) {
-    case 1: return verify_wgmma_path_wave<1>(ctas);
-    case 2: return verify_wgmma_path_wave<2>(ctas);
-    default: return verify_wgmma_path_wave<COPY_CP_ASYNC>(ctas);
+    case 1: return verify_wgmma_path_wave<1, false>(1, ctas);
+    case 2: return verify_wgmma_path_wave<2, false>(1, ctas);
+    default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
   }
 }
 
-int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st) {
+bool verify_wgmma_merges(int B, int R, int page_size, int num_splits) {
+  if (g_no_merge || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
+      copy_path(R, page_size, 0) == COPY_CP_ASYNC)
+    return false;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  return (int64_t)B * ceil_div(R, WGMMA_ROWS) <= merge_clusters(dev, num_splits);
+}
+
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged) {
   CUtensorMap map = {};
   int path = copy_path(p.R, p.page_size, (int64_t)p.num_pages * p.page_size);
   if (path != COPY_CP_ASYNC && (reinterpret_cast<uintptr_t>(p.kv) % 16 != 0 || !kv_map(p, &map)))
     path = COPY_CP_ASYNC;
+  *merged = path != COPY_CP_ASYNC && verify_wgmma_merges(B, p.R, p.page_size, p.num_splits);
+  if (*merged) return launch_verify_wgmma_path<1, true>(p, map, B, st);
   switch (path) {
-    case 1: return launch_verify_wgmma_path<1>(p, map, B, st);
-    case 2: return launch_verify_wgmma_path<2>(p, map, B, st);
-    default: return launch_verify_wgmma_path<COPY_CP_ASYNC>(p, map, B, st);
+    case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
+    case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);
+    default: return launch_verify_wgmma_path<COPY_CP_ASYNC, false>(p, map, B, st);
   }
 }
 

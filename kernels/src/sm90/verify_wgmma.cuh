@@ -24,6 +24,12 @@
 // cluster, not once per CTA (the copy, not the math, held v3e's period: kernels/NOTES.md).
 // A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
 // one arrival per CTA).
+//
+// Split merge (MERGE): with 2..8 key splits, the splits of a row tile form one cluster
+// (along grid y) and merge their O through distributed shared memory: each CTA stages its
+// unnormalised float32 O in its free key slots, then merges every S-th row over the S CTAs
+// by the rows' (max, sum) and writes out and lse. No float32 partials go through global
+// memory and no combine kernel runs (kernels/NOTES.md, v6).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
 
@@ -48,6 +54,11 @@ constexpr int STAGES = 2;
 constexpr size_t SMEM_BYTES = 1024 /* alignment slack */ + Q_BYTES + STAGES * KV_BYTES + P_BYTES +
                               4 * ROWS * sizeof(float);
 static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "layout as the host sizes it");
+// The merge's staged O: 64 rows of 512 floats, padded by 8 so that the accumulator's
+// float2 stores (8 rows x 4 lanes a warp) hit distinct banks per half warp.
+constexpr int O_STRIDE = V_DIM + 8;
+static_assert(ROWS * O_STRIDE * sizeof(float) <= STAGES * KV_BYTES, "staged O fits the key slots");
+static_assert(WGMMA_MERGE_MAX_SPLITS <= 8, "a portable cluster");
 
 // Byte offset of 16-byte chunk `chunk` (0..71) of row `row` in a swizzled tile of `rows`.
 __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
@@ -101,10 +112,56 @@ __device__ __forceinline__ void issue_tile(const VerifyParams& p, const CUtensor
   }
 }
 
+// The merge of a cluster's S splits (the MERGE epilogue): this CTA (split = cluster rank
+// `rank`) takes rows rank, rank + S, ... of the tile, a warp a row at a time, lane l
+// columns 4l + 128i. The weights are exp2(m_s - M) / L with M the rows' largest max and
+// L = sum exp2(m_s - M) l_s (log2 domain); splits without keys (m = -inf, l = 0) weigh 0.
+__device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0, int S, int rank,
+                                           uint32_t sO, uint32_t sL, uint32_t sM) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int r = rank + S * warp; r < ROWS; r += S * (THREADS / 32)) {
+    const int row = m0 + r;
+    if (row >= p.R) break;  // rows grow with r
+    float m = -INFINITY, l = 0.f;
+    if (lane < S) {
+      m = ld_cluster_f32(sM + 4 * r, lane);
+      l = ld_cluster_f32(sL + 4 * r, lane);
+    }
+    float M = m;
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float w = m == -INFINITY ? 0.f : exp2f(m - M);
+    float L = w * l;
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    float4 acc[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < S; ++s) {
+      const float ws = __shfl_sync(0xffffffffu, w, s) * inv;
+      if (ws == 0.f) continue;  // the whole warp: one row
+      float4 v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = ld_cluster_f32x4(sO + 4 * (r * O_STRIDE + 4 * lane + 128 * i), s);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        acc[i].x += ws * v[i].x; acc[i].y += ws * v[i].y; acc[i].z += ws * v[i].z; acc[i].w += ws * v[i].w;
+      }
+    }
+    __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + 4 * lane;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      *reinterpret_cast<uint2*>(dst + 128 * i) =
+          make_uint2(pack_bf16(acc[i].x, acc[i].y), pack_bf16(acc[i].z, acc[i].w));
+    if (lane == 0) p.lse[(size_t)b * p.R + row] = L > 0.f ? (M + log2f(L)) * LN2 : -INFINITY;
+  }
+}
+
 // COPY: COPY_CP_ASYNC, or the TMA cluster size (1, 2; launched with that cluster shape).
-template <int COPY>
+// MERGE: the splits of a row tile are one cluster (1 x num_splits) and merge in it.
+template <int COPY, bool MERGE>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
+  static_assert(!MERGE || COPY == 1, "the merge's clusters run on the TMA path without multicast");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool TMA = COPY != COPY_CP_ASYNC;
   extern __shared__ unsigned char smem_raw[];
@@ -300,7 +357,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         if (producer && nx < ntiles) {
           const uint32_t s = nx & 1;
           if (nx >= STAGES) {  // the slot held tile it-1: released here, refilled when all have
-            for (int r = 0; r < COPY; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
+            if constexpr (COPY == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
+            else
+              for (int r = 0; r < COPY; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
           issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
@@ -339,6 +398,23 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
     sM[rbase + g] = m_run[0]; sM[rbase + g + 8] = m_run[1];
   }
+  if constexpr (MERGE) {
+    // Every tile was consumed and both warpgroups' PVs are done, so once all threads are
+    // here the key slots are free: O goes there unnormalised, float32.
+    __syncthreads();
+    float* sO = reinterpret_cast<float*>(smem_raw + (sKV - raw));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* dst = sO + (rbase + g + 8 * h) * O_STRIDE + wg * 256 + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o_at(j, 2 * h), o_at(j, 2 * h + 1));
+    }
+    cluster_sync();  // every split's O, sums and maxima are staged
+    merge_rows(p, b, m0, p.num_splits, split, sKV, smem_addr(sL), smem_addr(sM));
+    cluster_sync();  // no CTA leaves while another still reads its shared memory
+    return;
+  }
   __syncthreads();
 
   const int r = rbase + g;
@@ -349,58 +425,57 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 #endif
 }
 
-// Launches the kernel of copy path COPY (TMA ones in clusters of COPY along the row tiles;
-// grid.x must then be a multiple of COPY). Each instantiation sits in its own source file.
-template <int COPY>
+// The launch of path (COPY, MERGE) over `grid`: clusters of COPY along the row tiles (TMA
+// pairs), or of all splits of a row tile (MERGE), else none. `attr` holds the cluster shape.
+template <int COPY, bool MERGE>
+cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, cudaLaunchConfig_t* cfg) {
+  const cudaError_t e = cudaFuncSetAttribute(verify_attention_wgmma_kernel<COPY, MERGE>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+  *cfg = {};
+  cfg->gridDim = grid;
+  cfg->blockDim = dim3(THREADS);
+  cfg->dynamicSmemBytes = SMEM_BYTES;
+  cfg->stream = st;
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = MERGE ? 1 : (COPY > 1 ? COPY : 1);
+  attr->val.clusterDim.y = MERGE ? grid.y : 1;
+  attr->val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = MERGE || COPY > 1 ? 1 : 0;
+  return e;
+}
+
+// Launches path (COPY, MERGE) (grid.x a multiple of COPY). Each instantiation sits in its
+// own source file.
+template <int COPY, bool MERGE>
 int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
-  auto kernel = verify_attention_wgmma_kernel<COPY>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
-  if (e != cudaSuccess) return (int)e;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(ceil_div(p.R, ROWS), p.num_splits, B);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = COPY > 1 ? COPY : 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = COPY > 1 ? 1 : 0;
-  e = cudaLaunchKernelEx(&cfg, kernel, p, tmap);
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg;
+  cudaError_t e = path_config<COPY, MERGE>(dim3(ceil_div(p.R, ROWS), p.num_splits, B), st, &attr, &cfg);
+  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, verify_attention_wgmma_kernel<COPY, MERGE>, p, tmap);
   return (int)e;
 }
 
-// CTAs of path COPY that are resident at once on this device (clusters of COPY fit the
-// GPCs, so fewer than one an SM may be).
-template <int COPY>
-int wgmma_path_wave(int* ctas) {
-  auto kernel = verify_attention_wgmma_kernel<COPY>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+// CTAs of path (COPY, MERGE) resident at once on this device, MERGE's clusters of `splits`:
+// one an SM without clusters; clusters must fit the GPCs, so fewer may be.
+template <int COPY, bool MERGE>
+int wgmma_path_wave(int splits, int* ctas) {
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg;
+  const dim3 one(COPY > 1 && !MERGE ? COPY : 1, MERGE ? splits : 1, 1);  // one cluster
+  cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
   if (e != cudaSuccess) return (int)e;
-  if (COPY <= 1) {  // one CTA an SM
+  if (cfg.numAttrs == 0) {
     int dev = 0, sms = 0;
     e = cudaGetDevice(&dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     *ctas = sms;
     return (int)e;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(COPY > 1 ? COPY : 1, 1, 1);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = COPY > 1 ? COPY : 1;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
+  e = cudaOccupancyMaxActiveClusters(&clusters, verify_attention_wgmma_kernel<COPY, MERGE>, &cfg);
   if (e != cudaSuccess) return (int)e;
-  *ctas = clusters * (COPY > 1 ? COPY : 1);
+  *ctas = clusters * (int)(one.x * one.y);
   return 0;
 }
 
@@ -408,13 +483,15 @@ int wgmma_path_wave(int* ctas) {
 }  // namespace kd
 
 // The per-path entry points (verify_wgmma_paths.cuh), defined by each instantiation file.
-#define KD_DEFINE_WGMMA_PATH(COPY)                                                               \
+#define KD_DEFINE_WGMMA_PATH(COPY, MERGE)                                                        \
   namespace kd {                                                                                 \
   template <>                                                                                    \
-  int launch_verify_wgmma_path<COPY>(const VerifyParams& p, const CUtensorMap& m, int B,         \
-                                     cudaStream_t st) {                                          \
-    return launch_wgmma_path<COPY>(p, m, B, st);                                                 \
+  int launch_verify_wgmma_path<COPY, MERGE>(const VerifyParams& p, const CUtensorMap& m, int B,  \
+                                            cudaStream_t st) {                                   \
+    return launch_wgmma_path<COPY, MERGE>(p, m, B, st);                                          \
   }                                                                                              \
   template <>                                                                                    \
-  int verify_wgmma_path_wave<COPY>(int* ctas) { return wgmma_path_wave<COPY>(ctas); }            \
+  int verify_wgmma_path_wave<COPY, MERGE>(int splits, int* ctas) {                               \
+    return wgmma_path_wave<COPY, MERGE>(splits, ctas);                                           \
+  }                                                                                              \
   }

@@ -18,12 +18,18 @@ constexpr int COPY_CP_ASYNC = 0;
 constexpr int WGMMA_TILE_BYTES = QK_DIM / 64 * 64 * 128;
 constexpr size_t WGMMA_SMEM_BYTES = 1024 + 3 * WGMMA_TILE_BYTES + 64 * 64 * 2 + 4 * 64 * sizeof(float);
 
-// Launches path COPY over the grid (row tiles, splits, B); a TMA path reads the cache
-// through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of COPY.
-template <int COPY>
+// Key splits a row tile that can merge in one cluster (MERGE; a portable cluster size).
+constexpr int WGMMA_MERGE_MAX_SPLITS = 8;
+
+// Launches path (COPY, MERGE) over the grid (row tiles, splits, B); a TMA path reads the
+// cache through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of COPY.
+// MERGE (COPY 1 only): the splits of a row tile merge in their cluster, writing out and
+// lse themselves (no combine kernel follows).
+template <int COPY, bool MERGE>
 int launch_verify_wgmma_path(const VerifyParams& p, const CUtensorMap& kv_map, int B, cudaStream_t st);
-// CTAs of path COPY resident at once on the current device.
-template <int COPY>
-int verify_wgmma_path_wave(int* ctas);
+// CTAs of path (COPY, MERGE) resident at once on the current device, with `splits` a row
+// tile (MERGE's cluster size).
+template <int COPY, bool MERGE>
+int verify_wgmma_path_wave(int splits, int* ctas);
 
 }  // namespace kd
