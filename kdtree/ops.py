@@ -314,7 +314,7 @@ def set_verify_path(path: str) -> str:
 def verify_kernel(R: int, device, page_size: int = 64) -> str:
     """Which verify kernel runs for R query rows on `device` now: "mma_sync", "wgmma"
     (cp.async copy), "wgmma_tma" or "wgmma_tma_x2" (key tiles multicast to pairs of row
-    tiles)."""
+    tiles; a launch whose splits merge in clusters, `split_merge`, runs "wgmma_tma")."""
     rows, keys, _, copy = _device_facts(torch.device(device).index or 0, R, page_size)
     if keys != 64:  # the mma.sync tiles stream 32 keys
         return "mma_sync"
@@ -324,8 +324,8 @@ def verify_kernel(R: int, device, page_size: int = 64) -> str:
 def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64) -> str:
     """How a launch of B requests of R rows merges its key splits on `device` now: "none"
     (one split), "cluster" (in the attention kernel, through distributed shared memory:
-    Hopper's TMA path, 2..8 splits whose clusters all fit at once) or "combine_kernel"
-    (float32 partials, then the combine kernel)."""
+    Hopper's TMA path, 2..3 splits, 8 or more row tiles of 64 rows, clusters that all fit at
+    once) or "combine_kernel" (float32 partials, then the combine kernel)."""
     if num_splits <= 1:
         return "none"
     merges = _I()

@@ -86,9 +86,12 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
                 **ceilings)
     def kernel_row(impl, kernel, t):  # called while the path it timed is still set
         splits = ops.choose_splits(B, D * H, table.shape[1] * page, "cuda", page)
+        merge = ops.split_merge(B, D * H, splits, "cuda", page)
+        if merge == "cluster":  # clusters of splits, so no pairs of row tiles
+            kernel = "wgmma_tma"
         return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                    num_splits=splits, split_merge=ops.split_merge(B, D * H, splits, "cuda", page), **t)
+                    num_splits=splits, split_merge=merge, **t)
 
     kernel = ops.verify_kernel(D * H, "cuda", page)
     rows = [kernel_row("kdtree_kernel", kernel, t)]

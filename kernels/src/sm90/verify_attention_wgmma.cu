@@ -10,13 +10,12 @@
 // at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
 // formed from 16 row tiles on, when their count is even; KD_VERIFY_MULTICAST=0 at build
 // time turns them off.
-// Splits: 2..8 key splits of a row tile on the TMA path run as one cluster that merges
-// them in distributed shared memory (verify_wgmma.cuh), where those clusters all fit on
-// the GPU at once (H200: 66 clusters of 2, 39 of 3, 30 of 4, 15 of 8); the merge takes
-// precedence over pairs. Otherwise, or when the caller forces it (kd_verify_set_path(3)),
-// the splits write float32 partials for the combine kernel. (Clusters of a divisor of the
-// splits, their partials then merged by the combine kernel, cost more than they saved at
-// B 16: kernels/NOTES.md, v6.)
+// Splits: 2..3 key splits of a row tile on the TMA path, in launches of 8 or more row tiles
+// (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
+// shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once (H200:
+// 66 clusters of 2, 39 of 3); the merge takes precedence over pairs. Otherwise, or when the
+// caller forces it (kd_verify_set_path(3)), the splits write float32 partials for the
+// combine kernel.
 #include <atomic>
 
 #include "verify_wgmma_paths.cuh"
@@ -128,9 +127,10 @@ bool verify_wgmma_merges(int B, int R, int page_size, int num_splits) {
   if (g_no_merge || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
       copy_path(R, page_size, 0) == COPY_CP_ASYNC)
     return false;
+  const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  return (int64_t)B * ceil_div(R, WGMMA_ROWS) <= merge_clusters(dev, num_splits);
+  if (row_tiles < WGMMA_MERGE_MIN_ROW_TILES || cudaGetDevice(&dev) != cudaSuccess) return false;
+  return row_tiles <= merge_clusters(dev, num_splits);
 }
 
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged) {

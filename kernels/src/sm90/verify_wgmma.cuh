@@ -25,7 +25,7 @@
 // A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
 // one arrival per CTA).
 //
-// Split merge (MERGE): with 2..8 key splits, the splits of a row tile form one cluster
+// Split merge (MERGE): with 2..3 key splits, the splits of a row tile form one cluster
 // (along grid y) and merge their O through distributed shared memory: each CTA stages its
 // unnormalised float32 O in its free key slots, then merges every S-th row over the S CTAs
 // by the rows' (max, sum) and writes out and lse. No float32 partials go through global
@@ -58,7 +58,7 @@ static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "la
 // float2 stores (8 rows x 4 lanes a warp) hit distinct banks per half warp.
 constexpr int O_STRIDE = V_DIM + 8;
 static_assert(ROWS * O_STRIDE * sizeof(float) <= STAGES * KV_BYTES, "staged O fits the key slots");
-static_assert(WGMMA_MERGE_MAX_SPLITS <= 8, "a portable cluster");
+static_assert(WGMMA_MERGE_MAX_SPLITS <= 8, "a portable cluster");  // (the kernel takes up to 8)
 
 // Byte offset of 16-byte chunk `chunk` (0..71) of row `row` in a swizzled tile of `rows`.
 __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
