@@ -90,20 +90,21 @@ int copy_path(int R, int page_size, int64_t rows) {
 }
 
 // Clusters of `splits` CTAs (MERGE) resident at once on device `dev`, asked once per
-// device and size (kept plus one: static zeros mean not asked; 0 when the query failed,
-// and then the merge is skipped).
+// device and size (kept plus one: static zeros mean not asked). A failed query gives 0,
+// so that launch does not merge, and is asked again next time.
 int merge_clusters(int dev, int splits) {
   constexpr int DEVICES = 64;
   static std::atomic<int> known[DEVICES][WGMMA_MERGE_MAX_SPLITS + 1];
   if (dev < 0 || dev >= DEVICES) return 0;
-  int n = known[dev][splits].load(std::memory_order_relaxed) - 1;
-  if (n < 0) {
-    int ctas = 0;
-    n = verify_wgmma_path_wave<1, true>(splits, &ctas) == 0 ? ctas / splits : 0;
-    cudaGetLastError();  // a failed query leaves no error behind for the caller's next check
-    known[dev][splits].store(n + 1, std::memory_order_relaxed);
+  const int kept = known[dev][splits].load(std::memory_order_relaxed);
+  if (kept > 0) return kept - 1;
+  int ctas = 0;
+  if (verify_wgmma_path_wave<1, true>(splits, &ctas) != 0) {
+    cudaGetLastError();  // leaves no error behind for the caller's next check
+    return 0;
   }
-  return n;
+  known[dev][splits].store(ctas / splits + 1, std::memory_order_relaxed);
+  return ctas / splits;
 }
 
 }  // namespace
