@@ -302,7 +302,7 @@ def set_verify_path(path: str) -> str:
     """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere), "mma_sync"
     (the kernel other GPUs run, also on Hopper: for tests), "wgmma_cp_async" (as auto,
     keys copied by cp.async, not TMA) or "wgmma_combine" (as auto, key splits always
-    merged through float32 partials and the combine kernel). Returns the previous
+    merged through bf16 partials and the combine kernel). Returns the previous
     setting."""
     if path not in VERIFY_PATHS:
         raise InputError(f"path: expected one of {VERIFY_PATHS}, got {path!r}")
@@ -325,7 +325,7 @@ def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64) ->
     """How a launch of B requests of R rows merges its key splits on `device` now: "none"
     (one split), "cluster" (in the attention kernel, through distributed shared memory:
     Hopper's TMA path, 2..3 splits, 8 or more row tiles of 64 rows, clusters that all fit at
-    once) or "combine_kernel" (float32 partials, then the combine kernel)."""
+    once) or "combine_kernel" (bf16 partials, then the combine kernel)."""
     if num_splits <= 1:
         return "none"
     merges = _I()
@@ -390,7 +390,7 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
     _tensor("lse", lse, torch.float32, (B, D, H), dev)
     part_o = part_l = None
     if num_splits > 1:
-        part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.float32, device=dev)
+        part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.bfloat16, device=dev)
         part_l = torch.empty(B, num_splits, R, dtype=torch.float32, device=dev)
     rc = lib().kd_verify_attention(_ptr(q), _ptr(kv), _ptr(bt), _ptr(seq_lens), _ptr(visibility),
                                    bits, B, D, H, page_size, kv.shape[0], bt.shape[1], float(scale),

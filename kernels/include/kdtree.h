@@ -63,12 +63,13 @@ int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
 // [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
 // or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
 // lse f32 [B, D, H] (natural log). num_splits (1..128) > 1 splits each request's keys; then
-// partial_out f32 [B, num_splits, D*H, 512] and partial_lse f32 [B, num_splits, D*H] are
-// the caller's workspace (kd_verify_workspace_bytes says how much).
+// partial_out bf16 [B, num_splits, D*H, 512] (each split's normalised output) and
+// partial_lse f32 [B, num_splits, D*H] are the caller's workspace (left unused where
+// kd_verify_merges says the launch merges its splits in the kernel).
 int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
                         const int32_t* seq_lens, const void* visibility, int vis_bits,
                         int B, int D, int H, int page_size, int num_pages, int max_pages, float scale,
-                        int num_splits, void* out, float* lse, float* partial_out,
+                        int num_splits, void* out, float* lse, void* partial_out,
                         float* partial_lse, void* stream);
 
 // The tile the current device gets for R = D*H query rows and this page size (chosen by

@@ -13,7 +13,7 @@
 //   O += P V:     warp half h owns output columns 256h..256h+255 of the pair's rows,
 //                 so the rescale factors stay in registers.
 // One __syncthreads per key tile. With one split the CTA writes out/lse; with several
-// it writes float32 partials that the combine kernel (verify_combine.cu) merges.
+// it writes bf16 partials that the combine kernel (verify_combine.cu) merges.
 #include "mma.cuh"
 #include "verify_common.cuh"
 
@@ -360,7 +360,7 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
                                    const int32_t* seq_lens, const void* visibility, int vis_bits,
                                    int B, int D, int H, int page_size, int num_pages, int max_pages,
                                    float scale,
-                                   int num_splits, void* out, float* lse, float* partial_out,
+                                   int num_splits, void* out, float* lse, void* partial_out,
                                    float* partial_lse, void* stream) {
   if (B < 0 || D < 1 || H < 1 || page_size < 1 || num_pages < 1 || max_pages < 1 || num_splits < 1)
     return KD_ERR_ARGUMENT;
@@ -380,7 +380,7 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.scale_log2 = scale * kd::LOG2E;
   p.out = static_cast<__nv_bfloat16*>(out);
   p.lse = lse;
-  p.part_out = partial_out;
+  p.part_out = static_cast<__nv_bfloat16*>(partial_out);
   p.part_lse = partial_lse;
   cudaStream_t st = (cudaStream_t)stream;
   kd::TileKind kind;

@@ -1,13 +1,16 @@
 // Merge the key splits of each query row by their LSEs (spec verify_attention.md):
 // out = sum_s exp(lse_s - lse) * o_s, lse = log sum_s exp(lse_s).
 //
-// Work split: each lane takes 4 value columns (a float4). With fewer than 32 splits a
-// CTA of 4 warps takes a whole row (a column quarter a warp, all splits); with 32 or more
-// a CTA of 8 warps takes a quarter of a row and its warps split the splits (warp w sums
-// splits w, w + 8, ...), so each lane has 4-16 independent loads in flight; the warps'
-// sums then meet in shared memory. (From 8 splits on, the quarter layout cost 10-50% at
-// batch 1 with 8-16 row tiles, H200 reference run at 30039d9: four times the CTAs, each
-// redoing the LSE reductions for one load a lane.)
+// Partials are bf16 (write_rows says why); weights and sums are float32. Two layouts:
+// - fewer than 32 splits: a warp takes half a row (8 columns a lane, one 16-byte load a
+//   split) and reduces the row's LSEs with shuffles alone (a split a lane): no shared
+//   memory, no block barrier, 8 warps a CTA. (v3 had a CTA of 4 warps a row with block
+//   reductions: 2,048 CTAs at B 16 x 128 rows, ~5 us on the H200 for ~8 MB.)
+// - 32 splits or more: a CTA of 8 warps takes a quarter of a row and its warps split the
+//   splits (warp w sums splits w, w + 8, ...), so each lane has 4-16 independent loads in
+//   flight; the warps' sums then meet in shared memory. (At 8-31 splits this layout cost
+//   10-50% at batch 1, H200 reference run at 30039d9: four times the CTAs, each redoing
+//   the LSE reductions for one load a lane.)
 // v2 had one 128-thread CTA a row walk all the splits: 13.7 us at batch 1 for H 8, D 1,
 // P 8k with 128 splits on an H200 (the attention kernel itself took 10 us).
 #include "mma.cuh"
@@ -16,47 +19,105 @@
 namespace kd {
 namespace {
 
-constexpr int COMBINE_WARPS = 8;  // at most
-static_assert(4 * 32 >= MAX_SPLITS, "a combine CTA (4 or 8 warps) reads one split LSE a thread");
-constexpr int QUARTER = V_DIM / 4;  // value columns of a warp: 32 lanes x float4
+constexpr int WARPS = 8;
+constexpr int ROW_SPLITS = 32;  // below this a warp takes half a row
+static_assert(4 * 32 >= MAX_SPLITS, "a quarter-row CTA reads one split LSE a thread");
+
+// bf16 -> float32 is the bf16 bits in the high half of a word.
+__device__ __forceinline__ float lo_f(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float hi_f(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ void fma4(float4& a, float w, uint2 u) {
+  a.x += w * lo_f(u.x); a.y += w * hi_f(u.x); a.z += w * lo_f(u.y); a.w += w * hi_f(u.y);
+}
+
+// --- fewer than 32 splits: a warp per half row.
+// Splits whose loads are issued before the weights are known (their latency overlaps the
+// LSE reductions); 8 x 16 bytes a lane.
+constexpr int ROW_PRE = 8;
+
+__global__ void __launch_bounds__(32 * WARPS)
+combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
+                  int num_splits, int halves, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+  const int lane = threadIdx.x & 31;
+  const int w = blockIdx.x * WARPS + (threadIdx.x >> 5);
+  if (w >= halves) return;  // whole warps only: the shuffles below need all 32 lanes
+  const int br = w >> 1, half = w & 1;  // br = b * R + row
+  const int b = br / R, row = br - b * R;
+  const size_t base = (size_t)b * num_splits * R + row;  // + s * R
+  const int c = half * (V_DIM / 2) + lane * 8;
+  const auto src = [&](int s) {
+    return reinterpret_cast<const uint4*>(part_out + (base + (size_t)s * R) * V_DIM + c);
+  };
+  uint4 pre[ROW_PRE];
+#pragma unroll
+  for (int i = 0; i < ROW_PRE; ++i) pre[i] = i < num_splits ? __ldg(src(i)) : make_uint4(0u, 0u, 0u, 0u);
+  const float my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
+  float m = my_lse;
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float wt = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
+  float tot = wt;
+  for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+  const float inv = tot > 0.f ? 1.f / tot : 0.f;
+
+  // An empty split (weight 0) is skipped by a select, not multiplied in (its rows hold
+  // whatever the kernel wrote for no keys).
+  float4 a0 = make_float4(0.f, 0.f, 0.f, 0.f), a1 = a0;
+#pragma unroll
+  for (int i = 0; i < ROW_PRE; ++i) {
+    const float ws = __shfl_sync(0xffffffffu, wt, i);
+    if (i < num_splits && ws != 0.f) {
+      fma4(a0, ws, make_uint2(pre[i].x, pre[i].y));
+      fma4(a1, ws, make_uint2(pre[i].z, pre[i].w));
+    }
+  }
+#pragma unroll 4
+  for (int s = ROW_PRE; s < num_splits; ++s) {
+    const uint4 v = __ldg(src(s));
+    const float ws = __shfl_sync(0xffffffffu, wt, s);
+    if (ws != 0.f) { fma4(a0, ws, make_uint2(v.x, v.y)); fma4(a1, ws, make_uint2(v.z, v.w)); }
+  }
+  const uint4 o = make_uint4(pack_bf16(a0.x * inv, a0.y * inv), pack_bf16(a0.z * inv, a0.w * inv),
+                             pack_bf16(a1.x * inv, a1.y * inv), pack_bf16(a1.z * inv, a1.w * inv));
+  *reinterpret_cast<uint4*>(out + (size_t)br * V_DIM + c) = o;
+  if (half == 0 && lane == 0) lse[br] = tot > 0.f ? m + logf(tot) : -INFINITY;
+}
+
+// --- 32 splits or more: a CTA per quarter row, its warps splitting the splits.
+constexpr int QUARTER = V_DIM / 4;  // value columns of a CTA: 32 lanes x 4
 // Splits a lane loads before the weights are known (H200, same-run A/B: 4 gained up to 5%
 // at batch 1, 8 lost as much at 33 splits, where the extra registers cost occupancy).
 constexpr int PRE = 4;
 
-// quarters: column quarters a CTA covers (1: 8 warps, 8 split groups; 4: 4 warps, 1 group).
-__global__ void __launch_bounds__(32 * COMBINE_WARPS)
-verify_combine_kernel(const float* __restrict__ part_out, const float* __restrict__ part_lse, int R,
-                      int num_splits, int quarters, __nv_bfloat16* __restrict__ out,
-                      float* __restrict__ lse) {
+__global__ void __launch_bounds__(32 * WARPS)
+combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
+                     int num_splits, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
   __shared__ float s_w[MAX_SPLITS];
-  __shared__ float s_red[COMBINE_WARPS];
-  __shared__ float4 s_acc[COMBINE_WARPS][32];
-  const int row = blockIdx.y, b = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-  const int quarter = blockIdx.x * quarters + warp % quarters, group = warp / quarters;
-  const int groups = nw / quarters;
+  __shared__ float s_red[WARPS];
+  __shared__ float4 s_acc[WARPS][32];
+  const int quarter = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t base = (size_t)b * num_splits * R + row;  // + s * R
-
-  // This warp's first PRE splits for the lane's 4 columns are loaded before the weights
-  // are known, so their latency overlaps the LSE reductions (one round trip, not two).
   const int c = quarter * QUARTER + lane * 4;
-  float4 pre[PRE];
+  const auto src = [&](int s) {
+    return reinterpret_cast<const uint2*>(part_out + (base + (size_t)s * R) * V_DIM + c);
+  };
+  // This warp's first PRE splits, loaded raw before the weights are known, so their
+  // latency overlaps the LSE reductions (widened only where used).
+  uint2 pre[PRE];
 #pragma unroll
   for (int i = 0; i < PRE; ++i) {
-    const int s = group + i * groups;
-    const float4* src = reinterpret_cast<const float4*>(part_out + (base + (size_t)s * R) * V_DIM + c);
-    pre[i] = s < num_splits ? __ldg(src) : make_float4(0.f, 0.f, 0.f, 0.f);
+    const int s = warp + i * WARPS;
+    pre[i] = s < num_splits ? __ldg(src(s)) : make_uint2(0u, 0u);
   }
-  // Block max of the split LSEs, then the sum of their exponentials (each CTA of a row
-  // does this itself). A CTA has at least MAX_SPLITS threads, so each thread reads at
-  // most one LSE, once, and keeps it in a register for both passes.
+  // Block max of the split LSEs, then the sum of their exponentials. A CTA has at least
+  // MAX_SPLITS threads, so each thread reads at most one LSE, once.
   const float my_lse = tid < num_splits ? part_lse[base + (size_t)tid * R] : -INFINITY;
   float m = my_lse;
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (lane == 0) s_red[warp] = m;
   __syncthreads();
   m = s_red[0];
-  for (int w = 1; w < nw; ++w) m = fmaxf(m, s_red[w]);
+  for (int w = 1; w < WARPS; ++w) m = fmaxf(m, s_red[w]);
   __syncthreads();
   float tot = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
   if (tid < num_splits) s_w[tid] = tot;
@@ -64,50 +125,46 @@ verify_combine_kernel(const float* __restrict__ part_out, const float* __restric
   if (lane == 0) s_red[warp] = tot;
   __syncthreads();
   tot = 0.f;
-  for (int w = 0; w < nw; ++w) tot += s_red[w];
+  for (int w = 0; w < WARPS; ++w) tot += s_red[w];
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
 
-  // The preloaded splits, then the rest of this warp's. Loads are unconditional (every
-  // split's rows are allocated) so they can all be in flight; an empty split (weight 0) is
-  // skipped by a select, not multiplied in.
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < PRE; ++i) {
-    const int s = group + i * groups;
+    const int s = warp + i * WARPS;
     const float w = s < num_splits ? s_w[s] : 0.f;
-    const float4 v = pre[i];
-    if (w != 0.f) { acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w; }
+    if (w != 0.f) fma4(acc, w, pre[i]);
   }
-  const int first = group + PRE * groups;
 #pragma unroll 8
-  for (int s = first; s < num_splits; s += groups) {
-    const float4 v = __ldg(reinterpret_cast<const float4*>(part_out + (base + (size_t)s * R) * V_DIM + c));
+  for (int s = warp + PRE * WARPS; s < num_splits; s += WARPS) {
+    const uint2 v = __ldg(src(s));
     const float w = s_w[s];
-    if (w != 0.f) { acc.x += w * v.x; acc.y += w * v.y; acc.z += w * v.z; acc.w += w * v.w; }
+    if (w != 0.f) fma4(acc, w, v);
   }
   s_acc[warp][lane] = acc;
   __syncthreads();
-  if (group == 0) {
-    for (int g = 1; g < groups; ++g) {
-      const float4 x = s_acc[warp + g * quarters][lane];
+  if (warp == 0) {
+    for (int g = 1; g < WARPS; ++g) {
+      const float4 x = s_acc[g][lane];
       acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
     }
     __nv_bfloat16* dst = out + ((size_t)b * R + row) * V_DIM + c;
-    *reinterpret_cast<uint32_t*>(dst) = pack_bf16(acc.x * inv, acc.y * inv);
-    *reinterpret_cast<uint32_t*>(dst + 2) = pack_bf16(acc.z * inv, acc.w * inv);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(acc.x * inv, acc.y * inv), pack_bf16(acc.z * inv, acc.w * inv));
     if (quarter == 0 && lane == 0) lse[(size_t)b * R + row] = tot > 0.f ? m + logf(tot) : -INFINITY;
   }
 }
 
-constexpr int QUARTER_SPLITS = 32;  // from here on a CTA takes a quarter row
-
 }  // namespace
 
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st) {
-  const bool many = p.num_splits >= QUARTER_SPLITS;
-  const int quarters = many ? 1 : 4;
-  verify_combine_kernel<<<dim3(4 / quarters, p.R, B), 32 * (many ? COMBINE_WARPS : 4), 0, st>>>(
-      p.part_out, p.part_lse, p.R, p.num_splits, quarters, p.out, p.lse);
+  if (p.num_splits < ROW_SPLITS) {
+    const int halves = 2 * B * p.R;
+    combine_half_rows<<<ceil_div(halves, WARPS), 32 * WARPS, 0, st>>>(p.part_out, p.part_lse, p.R,
+                                                                      p.num_splits, halves, p.out, p.lse);
+  } else {
+    combine_quarter_rows<<<dim3(4, p.R, B), 32 * WARPS, 0, st>>>(p.part_out, p.part_lse, p.R, p.num_splits,
+                                                                 p.out, p.lse);
+  }
   KD_LAUNCH_CHECK();
   return 0;
 }

@@ -24,7 +24,7 @@ struct VerifyParams {
   float scale_log2;  // softmax scale * log2(e)
   __nv_bfloat16* out;
   float* lse;
-  float* part_out;
+  __nv_bfloat16* part_out;  // a split's normalised O, bf16 like out (see write_rows)
   float* part_lse;
 };
 
@@ -84,32 +84,44 @@ __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value
 // columns col0 + 8j + 2t (+1) for j < 32, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
 // C-fragment order both kernels keep); l and m (log2 domain) per row. One split writes the
-// bf16 output and the LSE (lse_writer), several write float32 partials for the combine.
+// bf16 output and the LSE (lse_writer); several write their normalised O as bf16 partials
+// and their LSEs for the combine. Partials in bf16 (vLLM's paged attention v2 keeps its
+// split outputs in the output dtype too): the combine's weights are convex, so a merged
+// element carries at most one more bf16 rounding of the partials it mixes, the size of the
+// rounding P already takes before PV; half the bytes of float32 for the stores and the
+// combine's reads (H200, kernels/NOTES.md v7).
+// Stores: a quad's bf16 pairs of column blocks j, j + 1 (16 bytes a block) are regrouped by
+// two shuffles so each thread stores 8 contiguous bytes and a warp instruction writes whole
+// 32-byte sectors. Storing the 4-byte pairs as they lie wrote half sectors, which cost the
+// wgmma kernel ~4 us an epilogue on the H200 (ECC memory merges partial sectors).
 template <class O>
 __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int split, int row0, int col0,
                                            int t, const float (&l)[2], const float (&m)[2],
                                            bool lse_writer, O o) {
+  const bool whole = p.num_splits == 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + 8 * h;
-    if (row >= p.R) continue;
+    const bool live = row < p.R;
+    // The shuffles below need the whole warp, so only a warp with no live row skips
+    // (the mma.sync kernel's upper 8 rows when R = 8).
+    if (!__any_sync(0xffffffffu, live)) continue;
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
-    if (p.num_splits == 1) {
-      __nv_bfloat16* dst = p.out + ((size_t)b * p.R + row) * V_DIM + col0 + 2 * t;
+    const size_t orow = whole ? (size_t)b * p.R + row : ((size_t)b * p.num_splits + split) * p.R + row;
+    __nv_bfloat16* dst = (whole ? p.out : p.part_out) + orow * V_DIM + col0 + 4 * t;
 #pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        __nv_bfloat162 v = __floats2bfloat162_rn(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);
-        *reinterpret_cast<__nv_bfloat162*>(dst + j * 8) = v;
-      }
-      if (lse_writer) p.lse[(size_t)b * p.R + row] = lse;
-    } else {
-      const size_t prow = ((size_t)b * p.num_splits + split) * p.R + row;
-      float* dst = p.part_out + prow * V_DIM + col0 + 2 * t;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + j * 8) = make_float2(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);
-      if (lse_writer) p.part_lse[prow] = lse;
+    for (int j = 0; j < 32; j += 2) {
+      const uint32_t a = pack_bf16(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);          // block j
+      const uint32_t c = pack_bf16(o(j + 1, 2 * h) * inv, o(j + 1, 2 * h + 1) * inv);  // block j + 1
+      // Pairs 0..3 of block j then 0..3 of block j + 1; thread t ends with pairs 2t, 2t + 1.
+      const uint32_t x = __shfl_xor_sync(0xffffffffu, t < 2 ? c : a, 2);
+      const uint32_t lo = t < 2 ? a : x, hi = t < 2 ? x : c;
+      const uint32_t y = __shfl_xor_sync(0xffffffffu, (t & 1) ? lo : hi, 1);
+      if (live) *reinterpret_cast<uint2*>(dst + j * 8) = (t & 1) ? make_uint2(y, hi) : make_uint2(lo, y);
+    }
+    if (live && lse_writer) {
+      const float lse = l[h] > 0.f ? (m[h] + log2f(l[h])) * LN2 : -INFINITY;
+      (whole ? p.lse : p.part_lse)[orow] = lse;
     }
   }
 }

@@ -14,7 +14,7 @@
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
 // shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once (H200:
 // 66 clusters of 2, 39 of 3); the merge takes precedence over pairs. Otherwise, or when the
-// caller forces it (kd_verify_set_path(3)), the splits write float32 partials for the
+// caller forces it (kd_verify_set_path(3)), the splits write bf16 partials for the
 // combine kernel.
 #include <atomic>
 

@@ -28,7 +28,7 @@
 // Split merge (MERGE): with 2..3 key splits, the splits of a row tile form one cluster
 // (along grid y) and merge their O through distributed shared memory: each CTA stages its
 // unnormalised float32 O in its free key slots, then merges every S-th row over the S CTAs
-// by the rows' (max, sum) and writes out and lse. No float32 partials go through global
+// by the rows' (max, sum) and writes out and lse. No partials go through global
 // memory and no combine kernel runs (kernels/NOTES.md, v6).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
