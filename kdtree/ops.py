@@ -324,7 +324,7 @@ def verify_kernel(R: int, device, page_size: int = 64) -> str:
 def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64) -> str:
     """How a launch of B requests of R rows merges its key splits on `device` now: "none"
     (one split), "cluster" (in the attention kernel, through distributed shared memory:
-    Hopper's TMA path, 2..3 splits, 8 or more row tiles of 64 rows, clusters that all fit at
+    Hopper's TMA path, 2 splits, 16 or more row tiles of 64 rows, clusters that all fit at
     once) or "combine_kernel" (bf16 partials, then the combine kernel)."""
     if num_splits <= 1:
         return "none"

@@ -38,9 +38,10 @@ def main():
     par = (torch.arange(3000, device="cuda") - 1).clamp(min=-1).int().repeat(2, 1)
     ops.tree_accept_parents(big, par, torch.tensor([2999, 100], dtype=torch.int32, device="cuda"), big, 40)
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")  # 6 row tiles: TMA
-    # Hopper: 3 splits merge in clusters (auto, 18 row tiles); 8 and 40 go through the combine
-    # kernel, as 3 on the cp.async copy and when forced (wgmma_combine).
-    for path, splits in (("auto", 1), ("auto", 3), ("auto", 8), ("auto", 40), ("mma_sync", 1),
+    # Hopper: 2 splits merge in clusters (auto, 18 row tiles); 3, 8 and 40 go through the
+    # combine kernel (a warp per half row below 32 splits, a CTA per quarter row from 32), as 3
+    # on the cp.async copy and when forced (wgmma_combine).
+    for path, splits in (("auto", 1), ("auto", 2), ("auto", 3), ("auto", 8), ("auto", 40), ("mma_sync", 1),
                          ("mma_sync", 3), ("mma_sync", 40), ("wgmma_cp_async", 3), ("wgmma_combine", 3)):
         ops.set_verify_path(path)  # wgmma on Hopper (TMA, then cp.async), the mma.sync kernel
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
@@ -48,8 +49,8 @@ def main():
         ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
                              trees.visibility_bits, 0.130861, num_splits=splits)
     ops.set_verify_path("auto")
-    small = paged_case([0, 300, 20, 90], 17, 8, 64, seed=4, device="cuda")  # 4 x 3 row tiles
-    for splits in (2, 3):  # clusters of 2 and of 3
+    small = paged_case([0, 300, 20, 90, 5, 64], 17, 8, 64, seed=4, device="cuda")  # 6 x 3 row tiles
+    for splits in (2, 3):  # clusters of 2 (a partial last row tile, P = 0); 3 combine
         ops.verify_attention(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
                              0.130861, num_splits=splits)
     pairs = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles: TMA to pairs

@@ -554,9 +554,10 @@ ATTN_GRID = [
 @pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async", "wgmma_combine"])
 def verify_path(request, ops):
     """Every verify kernel: "auto" is wgmma on Hopper (rows > 32; keys by TMA where the page
-    size is a multiple of 64; 2..8 splits merged in clusters), "mma_sync" the kernel every
-    other GPU runs (sm_120 among them), "wgmma_cp_async" the wgmma kernel's cp.async copy,
-    "wgmma_combine" its splits merged by the combine kernel: forced so the H200 tests all."""
+    size is a multiple of 64; 2 splits merged in clusters from 16 row tiles), "mma_sync"
+    the kernel every other GPU runs (sm_120 among them), "wgmma_cp_async" the wgmma
+    kernel's cp.async copy, "wgmma_combine" its splits merged by the combine kernel: forced
+    so the H200 tests all."""
     old = ops.set_verify_path(request.param)
     yield request.param
     ops.set_verify_path(old)
@@ -578,26 +579,23 @@ def test_hopper_dispatches_to_wgmma(ops):
         rows, keys, wave, copy = ops._device_facts(0, 64 * 16, 64)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert copy == 2 and wave % 2 == 0 and sms - 16 <= wave <= sms
-        # Splits on the TMA path: 2..3 merge in clusters from 8 row tiles on, where the
+        # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the
         # clusters all fit at once.
         assert ops.split_merge(16, 16 * 8, 1, DEV, 64) == "none"
-        assert ops.split_merge(4, 16 * 8, 2, DEV, 64) == "cluster"       # 8 row tiles
-        assert ops.split_merge(4, 16 * 8, 3, DEV, 64) == "cluster"
-        assert ops.split_merge(4, 16 * 8, 4, DEV, 64) == "combine_kernel"     # above 3
-        assert ops.split_merge(3, 16 * 8, 2, DEV, 64) == "combine_kernel"     # 6 row tiles
+        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "cluster"       # 16 row tiles
+        assert ops.split_merge(8, 16 * 8, 3, DEV, 64) == "combine_kernel"     # above 2
+        assert ops.split_merge(7, 16 * 8, 2, DEV, 64) == "combine_kernel"     # 14 row tiles
         assert ops.split_merge(1024, 16 * 8, 2, DEV, 64) == "combine_kernel"  # 2048 clusters
-        assert ops.split_merge(4, 16 * 8, 2, DEV, 32) == "combine_kernel"     # cp.async copy
-        if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once, 39 of 3
+        assert ops.split_merge(8, 16 * 8, 2, DEV, 32) == "combine_kernel"     # cp.async copy
+        if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once
             assert ops.split_merge(33, 16 * 8, 2, DEV, 64) == "cluster"
             assert ops.split_merge(34, 16 * 8, 2, DEV, 64) == "combine_kernel"
-            assert ops.split_merge(19, 16 * 8, 3, DEV, 64) == "cluster"
-            assert ops.split_merge(20, 16 * 8, 3, DEV, 64) == "combine_kernel"
         ops.set_verify_path("wgmma_combine")
         assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"
-        assert ops.split_merge(4, 16 * 8, 2, DEV, 64) == "combine_kernel"
+        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "combine_kernel"
         ops.set_verify_path("wgmma_cp_async")
         assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma"
-        assert ops.split_merge(4, 16 * 8, 2, DEV, 64) == "combine_kernel"
+        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "combine_kernel"
         ops.set_verify_path("mma_sync")
         assert ops._device_facts(0, 257 * 8)[:2] == (64, 32)
         assert ops.verify_kernel(64 * 16, DEV, 64) == "mma_sync"
@@ -649,26 +647,24 @@ def test_verify_attention_tma_paths(ops, prefixes, D, H, page, num_splits):
     check_attention(ops, case, num_splits=num_splits)
 
 
-# The cluster merge (Hopper, TMA path, 2..3 splits, 8 or more row tiles): a partial last
+# The cluster merge (Hopper, TMA path, 2 splits, 16 or more row tiles): a partial last
 # row tile (rows past R merge nothing), P = 0 requests whose later splits hold no keys
-# (weight 0), pages of 128, both cluster sizes. NaN-poisoned out and lse must be fully
-# written.
+# (weight 0), pages of 128. NaN-poisoned out and lse must be fully written.
 MERGE_GRID = [
-    ([0, 650, 40, 7], 17, 8, 64),     # 4 x 3 row tiles, the last of 8 rows; P = 0 and P < 64
-    ([8192, 5], 16, 16, 128),         # 2 x 4 row tiles
-    ([3000], 64, 8, 64),              # 8 row tiles
+    ([0, 650, 40, 7, 300, 64], 17, 8, 64),   # 6 x 3 row tiles, the last of 8 rows; P = 0, P < 64
+    ([8192, 5, 1000, 77], 16, 16, 128),      # 4 x 4 row tiles
+    ([3000, 100], 64, 8, 64),                # 2 x 8 row tiles
 ]
 
 
 @pytest.mark.parametrize("prefixes,D,H,page", MERGE_GRID)
-@pytest.mark.parametrize("num_splits", [2, 3])
-def test_verify_attention_cluster_merge(ops, prefixes, D, H, page, num_splits):
+def test_verify_attention_cluster_merge(ops, prefixes, D, H, page):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the cluster merge: Hopper (sm_90) only")
-    case = paged_case(prefixes, D, H, page, seed=D + H + num_splits, device=DEV)
-    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # fits 39+ of each size
-        assert ops.split_merge(len(prefixes), D * H, num_splits, DEV, page) == "cluster"
-    check_attention(ops, case, num_splits=num_splits)
+    case = paged_case(prefixes, D, H, page, seed=D + H, device=DEV)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # fits 66 clusters of 2
+        assert ops.split_merge(len(prefixes), D * H, 2, DEV, page) == "cluster"
+    check_attention(ops, case, num_splits=2)
 
 
 def test_verify_attention_with_built_tree_mask(ops, verify_path):
@@ -741,12 +737,12 @@ def test_round_captures_in_one_cuda_graph(ops):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("num_splits", [3, 32])
+@pytest.mark.parametrize("num_splits", [2, 3, 32])
 def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_splits):
-    """Splits captured into a graph and replayed on fresh queries: merged in clusters (3 on
-    Hopper's auto path: 9 row tiles) or by the combine kernel, which must still see finished
-    partials."""
-    case = paged_case([4000, 1000, 0], 17, 8, 64, seed=21, device=DEV)
+    """Splits captured into a graph and replayed on fresh queries: merged in clusters (2 on
+    Hopper's auto path: 18 row tiles) or by the combine kernel (both of its layouts), which
+    must still see finished partials."""
+    case = paged_case([4000, 1000, 0, 300, 2000, 64], 17, 8, 64, seed=21, device=DEV)
     B, D, H, _ = case.q.shape
     q = case.q.clone()
     out = torch.empty(B, D, H, 512, dtype=torch.bfloat16, device=DEV)

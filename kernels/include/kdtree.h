@@ -82,7 +82,7 @@ int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, 
                    int* copy_path);
 
 // Whether a launch of B requests, R rows each, with these splits merges the splits inside
-// the attention kernel (*merges = 1: Hopper's TMA path with 2..3 splits, 8 or more row tiles
+// the attention kernel (*merges = 1: Hopper's TMA path with 2 splits, 16 or more row tiles
 // of 64 rows, and clusters that all fit on the GPU at once; no partials are written and no
 // combine kernel runs) or, with
 // several splits, through partial_out/partial_lse and the combine kernel (*merges = 0).

@@ -10,10 +10,10 @@
 // at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
 // formed from 16 row tiles on, when their count is even; KD_VERIFY_MULTICAST=0 at build
 // time turns them off.
-// Splits: 2..3 key splits of a row tile on the TMA path, in launches of 8 or more row tiles
+// Splits: 2 key splits of a row tile on the TMA path, in launches of 16 or more row tiles
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
 // shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once (H200:
-// 66 clusters of 2, 39 of 3); the merge takes precedence over pairs. Otherwise, or when the
+// 66 clusters of 2); the merge takes precedence over pairs. Otherwise, or when the
 // caller forces it (kd_verify_set_path(3)), the splits write bf16 partials for the
 // combine kernel.
 #include <atomic>

@@ -25,11 +25,12 @@
 // A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
 // one arrival per CTA).
 //
-// Split merge (MERGE): with 2..3 key splits, the splits of a row tile form one cluster
-// (along grid y) and merge their O through distributed shared memory: each CTA stages its
-// unnormalised float32 O in its free key slots, then merges every S-th row over the S CTAs
-// by the rows' (max, sum) and writes out and lse. No partials go through global
-// memory and no combine kernel runs (kernels/NOTES.md, v6).
+// Split merge (MERGE): with 2 key splits (the host's rule; the kernel takes up to 8), the
+// splits of a row tile form one cluster (along grid y) and merge their O through
+// distributed shared memory: each CTA stages its unnormalised float32 O in its free key
+// slots, then merges every S-th row over the S CTAs by the rows' (max, sum) and writes out
+// and lse. No partials go through global memory and no combine kernel runs
+// (kernels/NOTES.md, v6).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
 

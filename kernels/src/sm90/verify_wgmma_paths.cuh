@@ -18,13 +18,15 @@ constexpr int COPY_CP_ASYNC = 0;
 constexpr int WGMMA_TILE_BYTES = QK_DIM / 64 * 64 * 128;
 constexpr size_t WGMMA_SMEM_BYTES = 1024 + 3 * WGMMA_TILE_BYTES + 64 * 64 * 2 + 4 * 64 * sizeof(float);
 
-// When key splits merge in one cluster (MERGE): at most 3 splits a row tile, and 8 or more
-// row tiles in the launch. H200, same-run graph times against the combine kernel: 2 and 3
-// splits gain 1.5-5 us from 8 row tiles on (up to 30% at P 1k), 4 or more splits lose
-// 1-3 us (each CTA then reads 3/4 or more of its 128 KB from the others, at about 30 GB/s
-// an SM), and so do 2-4 row tiles at batch 1 (kernels/NOTES.md, v6).
-constexpr int WGMMA_MERGE_MAX_SPLITS = 3;
-constexpr int WGMMA_MERGE_MIN_ROW_TILES = 8;
+// When key splits merge in one cluster (MERGE): 2 splits a row tile, 16 or more row tiles
+// in the launch. H200, same-run graph times against the combine kernel (bf16 partials, a
+// warp per half row; three rounds, kernels/NOTES.md v7): 2 splits gain 1-4 us at 64 row
+// tiles (B 1, H 64, D 64: P 1k 29.6 -> 26.7 us, P 32k 475 -> 465), tie at 32 and lose
+// ~1 us at 8; 3 splits lose 1.4-2.5 us at 8 and 32 row tiles; 4 or more lost to the float32
+// combine already (v6: each CTA reads 3/4 or more of its 128 KB from the others, at about
+// 30 GB/s an SM).
+constexpr int WGMMA_MERGE_MAX_SPLITS = 2;
+constexpr int WGMMA_MERGE_MIN_ROW_TILES = 16;
 
 // Launches path (COPY, MERGE) over the grid (row tiles, splits, B); a TMA path reads the
 // cache through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of COPY.
