@@ -107,7 +107,7 @@ def test_tree_build_tiny_vocab_and_short_blocks(ops, L, V, budget):
     gpu_vs_cpu(ops, lp, ids, np.full(8, budget), np.arange(8), np.arange(8))
 
 
-@pytest.mark.parametrize("budget", [64, 256, 1024])
+@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
 def test_tree_build_threshold_path_on_sweep_inputs(ops, budget):
     """The sweep's inputs are certified: every request takes the threshold selection."""
     B = 64

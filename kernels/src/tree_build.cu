@@ -106,7 +106,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   const int keff = budget < K ? budget : K;
 
   // NaN / +inf anywhere in the request's log-probs: refuse the request (root-only tree).
-  // The same pass stages ranks < lp_ld (-inf clamped in threshold mode).
+  // The same pass stages ranks < lp_ld (-inf clamped in threshold mode) and checks the
+  // threshold certificate on ranks < keff: rank 0 <= 0, each <= the one before (read again
+  // from global memory where it is another thread's: no second pass, no extra barrier).
   bool bad = false, uncertified = false;
   const float clamp_floor = threshold ? NEG_INF_FLOOR : -INFINITY;  // the warp loop clamps itself
   if ((K & 3) == 0 && ((uintptr_t)lp & 15) == 0 && lp_ld > 0) {
@@ -116,10 +118,14 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       const float4 v = lp4[i];
       const int d = (i << 2) / K, r = (i << 2) - d * K;
       const float e[4] = {v.x, v.y, v.z, v.w};
+      float prev = r == 0 ? 0.0f : fmaxf(lp[(i << 2) - 1], clamp_floor);
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         bad |= (e[k] != e[k]) || (e[k] == INFINITY);
-        if (r + k < lp_ld) s_lp[d * lp_ld + r + k] = fmaxf(e[k], clamp_floor);
+        const float c = fmaxf(e[k], clamp_floor);
+        if (r + k < lp_ld) s_lp[d * lp_ld + r + k] = c;
+        uncertified |= r + k < keff && !(c <= prev);
+        prev = c;
       }
     }
   } else {
@@ -128,17 +134,12 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       const float v = lp[i];
       bad |= (v != v) || (v == INFINITY);
       const int d = i / K, r = i - d * K;
-      if (r < lp_ld) s_lp[d * lp_ld + r] = fmaxf(v, clamp_floor);
+      const float c = fmaxf(v, clamp_floor);
+      if (r < lp_ld) s_lp[d * lp_ld + r] = c;
+      if (r < keff) uncertified |= !(c <= (r == 0 ? 0.0f : fmaxf(lp[i - 1], clamp_floor)));
     }
   }
-  __syncthreads();
-  // Threshold certificate on the staged ranks < keff: rank 0 <= 0, each <= the one before.
-  if (threshold)
-    for (int i = tid; i < L * keff; i += blockDim.x) {
-      const int d = i / keff, r = i - d * keff;
-      const float c = s_lp[d * lp_ld + r], prev = r == 0 ? 0.0f : s_lp[d * lp_ld + r - 1];
-      uncertified |= !(c <= prev);
-    }
+  uncertified &= threshold;
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
   uncertified = __syncthreads_or(uncertified) || L > KEY_DEPTH;
   KD_PROF(1);

@@ -378,12 +378,47 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 }
 
 #ifdef __CUDA_ARCH__
+constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps a narrow level may take (else the search)
+
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
 // parent's children contiguous, ranks ascending), without its atomic and barrier.
 __device__ int materialise_narrow(const Threshold& t, const float* row, int keff, int d, double tau,
                                   int lb, int le, int lane) {
-  const int room = t.cap - le, p = lb + lane;
+  const int room = t.cap - le;
+  if (keff <= 32) {
+    // Small rows: a lane a (parent, rank) pair, G lanes a parent (G = keff rounded up to
+    // a power of two). A parent's children in S are a rank prefix, so one ballot a step
+    // lays the level out (parents in order, ranks ascending) without the binary search,
+    // scan and owner search below (~5 dependent steps each).
+    const int G = 1 << (32 - __clz(max(keff, 1) - 1)), per = 32 / G;
+    if (le - lb <= NARROW_BALLOT_STEPS * per) {
+      const int j = lane / G, r = lane & (G - 1);
+      const unsigned below = (1u << lane) - 1u;
+      int total = 0;
+      for (int p0 = lb; p0 < le; p0 += per) {
+        const int p = p0 + j;
+        double sp = 0.0, x = 0.0, sc = 0.0;
+        bool in = false;
+        if (p < le && r < keff) {
+          sp = t.score[p];
+          x = (double)row[r];
+          sc = KD_DADD(sp, x);
+          in = sc >= tau;
+        }
+        const unsigned mask = __ballot_sync(FULL_MASK, in);
+        const int at = total + __popc(mask & below);
+        if (in && at < room) {
+          t.score[le + at] = sc;
+          t.meta[le + at] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
+        }
+        total += __popc(mask);
+      }
+      __syncwarp();
+      return total;
+    }
+  }
+  const int p = lb + lane;
   const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
   const int incl = warp_inclusive_scan(c, lane);
   const int total = __shfl_sync(FULL_MASK, incl, 31);
@@ -677,9 +712,15 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const int cap = t.cap;
   // tau starts at a score the best `budget` nodes all reach: the budget-th depth-1 node's,
   // or below every node when depth 1 holds fewer.
-  double whole = -1.0;
-  for (int d = 0; d < L; ++d) whole = KD_DADD(whole, (double)t.lp[d * t.ld + keff - 1]);
-  double tau = keff >= budget ? (double)t.lp[budget - 1] : whole;
+  // (The sum below every score is a chain of L dependent adds: only tiny vocabularies
+  // need it.)
+  double tau;
+  if (keff >= budget) {
+    tau = (double)t.lp[budget - 1];
+  } else {
+    tau = -1.0;
+    for (int d = 0; d < L; ++d) tau = KD_DADD(tau, (double)t.lp[d * t.ld + keff - 1]);
+  }
   if (chain_start && (long long)L * keff >= budget) tau = chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
