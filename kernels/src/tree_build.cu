@@ -150,13 +150,19 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau (chain_bound: ~5-7k cycles) pays where some request of the batch
+  // A tighter first tau (chain_bound: ~4k cycles) pays where some request of the batch
   // would otherwise raise tau, which grows likelier with the batch and the budget. Measured
   // on the H200 with the sweep's inputs (V 8192 and 32000): off at batch 1 (B 1 x 256
   // 25.8 -> 22.2 us, B 1 x 1024 78.4 -> 75.0) and at batch 16 budget 16 (13.8 -> 11.3); on
-  // from batch 64, from batch 16 at budget 64 and up, from batch 4 at budget 1024.
+  // from batch 64, from batch 16 at budget 64 and up, from batch 4 at budget 1024. Checked
+  // again in session 13 against never / always (kernels/NOTES.md): no point gains.
   const int batch = gridDim.x;
-  const bool chain_start = batch >= 64 || (batch >= 16 && budget >= 64) || (batch >= 4 && budget >= 1024);
+#ifndef KD_CHAIN_GATE
+#define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always
+#endif
+  const bool chain_start = KD_CHAIN_GATE == 2 ||
+                           (KD_CHAIN_GATE == 1 && (batch >= 64 || (batch >= 16 && budget >= 64) ||
+                                                   (batch >= 4 && budget >= 1024)));
   if (threshold && !uncertified)
     n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, chain_start);
   if (n < 0) {  // the warp loop: exact for any input
@@ -348,7 +354,7 @@ extern "C" int kd_build_set_smem_limit(int bytes) {
 #ifdef KD_BUILD_PROFILE
 // Phase stamps of block 0 in the last launch (profile builds only).
 extern "C" int kd_build_profile(long long* out) {
-  return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * 16);
+  return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * 24);
 }
 #endif
 

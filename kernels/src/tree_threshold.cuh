@@ -32,7 +32,7 @@ namespace kd {
 
 // Profile builds (-DKD_BUILD_PROFILE): block 0 stamps clock64() at phase ends.
 #ifdef KD_BUILD_PROFILE
-__device__ long long g_prof[16];
+__device__ long long g_prof[24];
 #endif
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
 #define KD_PROF(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
@@ -647,56 +647,80 @@ KD_HD bool block_any(bool x) {
 // score): the highest of a few pivots x for which the nodes 0^d r (the first-child chain
 // to depth d, then rank r at depth d + 1; real nodes, scores computed as the heap does)
 // number >= budget. The budget-th best of any set of tree nodes is <= the tree's, so x is
-// a lower bound too. Two rounds, one pivot a warp (lane d counts depth d by a binary
-// search), narrow [tau, lp[0][0]] 17-fold each. On sweep-like inputs this cuts the
-// requests whose first enumeration overflows (and takes a raise) 2-3x, for ~5k cycles:
-// worth it where the slowest of many requests sets the time, or raises are frequent and
-// dear (budget >= 256); the caller decides (kernels/NOTES.md). An exact budget-th best of
-// the L * keff chain nodes by radix passes cost 5-14k cycles more than that.
+// a lower bound too. Two rounds of CHAIN_PIVOTS pivots narrow [tau, lp[0][0]] 17-fold
+// each. On sweep-like inputs this cuts the requests whose first enumeration overflows
+// (and takes a raise) 2-3x: worth it where the slowest of many requests sets the time, or
+// raises are frequent and dear (budget >= 256); the caller decides (kernels/NOTES.md). An
+// exact budget-th best of the L * keff chain nodes by radix passes cost 5-14k cycles more.
+// Device: every warp holds the chain scores in registers (lane d: node 0^d, the heap's
+// sums in the heap's order) and computes its own pivot, so a round is one barrier (the
+// counts). v3e summed the chain on one thread and kept scores and pivots in shared
+// memory (three barriers a round); 32 pivots (two a warp) with the pivots stored, not
+// recomputed, measured no better (kernels/NOTES.md).
+constexpr int CHAIN_PIVOTS = 16;
+
+// Pivot k (1 .. CHAIN_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
+// contraction): the bound returned must be exactly a pivot that was counted.
+KD_HD double chain_pivot(double lo, double hi, int k) {
+#ifdef __CUDA_ARCH__
+  return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), __dmul_rn((double)k, 1.0 / (CHAIN_PIVOTS + 1))));
+#else
+  return lo + (hi - lo) * ((double)k * (1.0 / (CHAIN_PIVOTS + 1)));
+#endif
+}
+
+// A round's step: [lo, hi] := between the highest pivot whose count holds `budget` and
+// the next one (counts fall as pivots rise).
+KD_HD void chain_narrow(const int* cnt, int budget, double* lo, double* hi) {
+  int best = -1;
+  for (int v = 0; v < CHAIN_PIVOTS; ++v)
+    if (cnt[v] >= budget) best = v;
+  const double nlo = best >= 0 ? chain_pivot(*lo, *hi, best + 1) : *lo;
+  if (best + 1 < CHAIN_PIVOTS) *hi = chain_pivot(*lo, *hi, best + 2);
+  *lo = nlo;
+}
+
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
-  if (tid == 0) {  // chain scores into the (not yet used) node score buffer; L < cap
-    double c = 0.0;
-    for (int d = 0; d < L; ++d) { t.score[d] = c; c = KD_DADD(c, (double)t.lp[d * t.ld]); }
-  }  // (read after the first barrier below)
-  double* xs = t.score + L;  // the pivots (at most 32: L + 32 <= 48 < cap)
-  int* counts = t.scratch;   // nodes >= each pivot
   double lo = tau, hi = (double)t.lp[0];
 #ifdef __CUDA_ARCH__
-  const int pivots = min(nthreads >> 5, 32), lane = tid & 31, w = tid >> 5;
-#else
-  const int pivots = 16;
-#endif
-  const double step = 1.0 / (pivots + 1);
-  for (int round = 0; round < 2 && hi > lo; ++round) {
-    // Pivot v at lo + (v + 1) / (pivots + 1) of the bracket; stored, so that the bound
-    // taken below is exactly a pivot that was counted.
-#ifdef __CUDA_ARCH__
-    if (lane == 0 && w < pivots) xs[w] = lo + (hi - lo) * ((w + 1) * step);
-#else
-    for (int v = 0; v < pivots; ++v) xs[v] = lo + (hi - lo) * ((v + 1) * step);
-#endif
-    KD_BARRIER();
-#ifdef __CUDA_ARCH__
-    if (w < pivots) {
-      int c = lane < L ? count_children(t.lp + lane * t.ld, keff, t.score[lane], xs[w]) : 0;
-      for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(FULL_MASK, c, o);
-      if (lane == 0) counts[w] = c;
-    }
-#else
-    for (int v = 0; v < pivots; ++v) {
-      int c = 0;
-      for (int d = 0; d < L; ++d) c += count_children(t.lp + d * t.ld, keff, t.score[d], xs[v]);
-      counts[v] = c;
-    }
-#endif
-    KD_BARRIER();
-    int best = -1;  // the highest pivot that holds `budget` (counts fall as pivots rise)
-    for (int v = 0; v < pivots; ++v)
-      if (counts[v] >= budget) best = v;
-    if (best + 1 < pivots) hi = xs[best + 1];
-    if (best >= 0) lo = xs[best];
-    KD_BARRIER();  // pivots and counts are rewritten next round
+  if (nthreads < 32 * CHAIN_PIVOTS) return tau;  // a warp a pivot
+  const int lane = tid & 31, w = tid >> 5;
+  // Unrolled over KEY_DEPTH (L <= KEY_DEPTH here): the loads and conversions leave the
+  // chain of adds (a loop to `lane` kept each step's load and conversion on it).
+  double c = 0.0, acc = 0.0;
+#pragma unroll
+  for (int d = 0; d < KEY_DEPTH; ++d) {
+    if (d == lane) c = acc;
+    if (d < L) acc = KD_DADD(acc, (double)t.lp[d * t.ld]);
   }
+  KD_PROF(16);
+  for (int round = 0; round < 2 && hi > lo; ++round) {
+    int* cnt = t.scratch + round * CHAIN_PIVOTS;  // a round's own: no barrier before the next writes
+    if (w < CHAIN_PIVOTS) {
+      const double x = chain_pivot(lo, hi, w + 1);
+      int n = lane < L ? count_children(t.lp + lane * t.ld, keff, c, x) : 0;
+      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
+      if (lane == 0) cnt[w] = n;
+    }
+    KD_PROF(17 + 2 * round);
+    __syncthreads();
+    KD_PROF(18 + 2 * round);
+    chain_narrow(cnt, budget, &lo, &hi);
+  }
+#else
+  (void)tid; (void)nthreads;
+  double cs[KEY_DEPTH];  // L <= KEY_DEPTH on this path
+  for (int d = 0; d < L; ++d) cs[d] = d == 0 ? 0.0 : KD_DADD(cs[d - 1], (double)t.lp[(d - 1) * t.ld]);
+  for (int round = 0; round < 2 && hi > lo; ++round) {
+    int cnt[CHAIN_PIVOTS];
+    for (int v = 0; v < CHAIN_PIVOTS; ++v) {
+      const double x = chain_pivot(lo, hi, v + 1);
+      cnt[v] = 0;
+      for (int d = 0; d < L; ++d) cnt[v] += count_children(t.lp + d * t.ld, keff, cs[d], x);
+    }
+    chain_narrow(cnt, budget, &lo, &hi);
+  }
+#endif
   return lo > tau ? lo : tau;
 }
 
