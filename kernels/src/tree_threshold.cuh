@@ -235,44 +235,9 @@ KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
 #endif
 }
 
-// Node buffers up to this size (budgets <= 64) raise tau by counting, not radix passes.
-constexpr int RANK_TAU_MAX = 128;
-
-// The exact budget-th best score of nodes [1, m) (m - 1 >= budget): the one score with
-// fewer than `budget` scores above it and at least `budget` at or above it. Each thread
-// counts for its nodes against all the others: two barriers in all, where the radix passes
-// below take about four a byte of the score (a raise cost ~10k cycles at budget 16-64 on
-// the H200, kernels/NOTES.md).
-KD_HD double rank_tau(const Threshold& t, int m, int budget, int tid, int nthreads) {
-  if (tid == 0) *t.minkey = ~0ull;
-  KD_BARRIER();
-  for (int i = 1 + tid; i < m; i += nthreads) {
-    const double x = t.score[i];
-    int above = 0, at_or_above = 0;
-    for (int j = 1; j < m; ++j) {
-      const double y = t.score[j];
-      above += y > x;
-      at_or_above += y >= x;
-    }
-    if (above < budget && budget <= at_or_above) {
-#ifdef __CUDA_ARCH__
-      atomicMin(t.minkey, order_key(x));  // every such node holds the same score
-#else
-      *t.minkey = order_key(x);
-#endif
-    }
-  }
-  KD_BARRIER();
-  const double tau = from_order_key(*t.minkey);
-  KD_BARRIER();
-  return tau;
-}
-
 // A threshold whose count among nodes [1, m) is >= budget and at most budget + slack (where
-// the bits allow): about the budget-th best score, an actual score of the set (exactly the
-// budget-th best for small buffers).
+// the bits allow): about the budget-th best score, an actual score of the set.
 KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid, int nthreads) {
-  if (m <= RANK_TAU_MAX) return rank_tau(t, m, budget, tid, nthreads);
   int* hist = t.scratch;
   int* pick = t.scratch + TS_BINS;
   unsigned long long prefix = 0;
