@@ -192,6 +192,19 @@ def test_threshold_selection_on_sweep_inputs(lib, budget):
     assert max(raises) <= 6
 
 
+def test_threshold_selection_raises_at_small_budgets(lib):
+    """Budget 64 (a node buffer of 128): tau raises happen on these sweep-like inputs even
+    from the chain bound, and the trees stay the heap's."""
+    raised = 0
+    for cf in (0.3, 1.0):
+        lp, ids = stage_a_inputs(64, 15, 8192, 64, seed=192 + int(cf * 10), coarse_fraction=cf)
+        for b in range(64):
+            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 64)
+            assert n == 64
+            raised += int(stats[0]) > 0
+    assert raised >= 2
+
+
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
                                         (4, 3, 1024), (15, 16, 15), (16, 3, 300)])
 def test_threshold_selection_small_trees_and_budget_edges(lib, L, V, budget):
