@@ -45,12 +45,13 @@ def lib() -> ctypes.CDLL:
     so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_tree_accept_parents.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
     so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 7 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
-    so.kd_verify_tile.argtypes = [_I, _I] + [ctypes.POINTER(_I)] * 4
+    so.kd_verify_small_launch.argtypes = [_I, _I, ctypes.POINTER(_I)]
+    so.kd_verify_tile.argtypes = [_I, _I, _I] + [ctypes.POINTER(_I)] * 4
     so.kd_build_set_smem_limit.argtypes = [_I]
     so.kd_verify_set_path.argtypes = [_I]
-    so.kd_verify_merges.argtypes = [_I] * 4 + [ctypes.POINTER(_I)]
+    so.kd_verify_merges.argtypes = [_I] * 5 + [ctypes.POINTER(_I)]
     for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_tree_accept_parents,
-              so.kd_verify_attention, so.kd_verify_tile,
+              so.kd_verify_attention, so.kd_verify_tile, so.kd_verify_small_launch,
               so.kd_build_set_smem_limit, so.kd_verify_set_path, so.kd_verify_merges):
         f.restype = _I
     return so
@@ -281,13 +282,32 @@ def _accept_outputs(B, max_depth, dev, out):
 MAX_SPLITS = 128
 
 
+@functools.lru_cache(maxsize=256)
+def _small_launch(index: int, B: int, max_seq: int) -> bool:
+    """Whether B requests over max_seq keys make a small launch on device `index` (the
+    kernel library's rule: its 32-key mma.sync tiles would not reach every SM), where one
+    row tile of a small tree runs the mma.sync kernel, not the wgmma kernel."""
+    small = _I()
+    with torch.cuda.device(index):
+        _check(lib().kd_verify_small_launch(B, max_seq, ctypes.byref(small)), "kd_verify_small_launch")
+    return bool(small.value)
+
+
+def _launch_is_small(device, B: int | None, max_seq: int | None) -> bool:
+    # No launch given: one that fills the GPU.
+    if B is None or max_seq is None:
+        return False
+    return _small_launch(torch.device(device).index or 0, B, max_seq)
+
+
 @functools.lru_cache(maxsize=64)
-def _device_facts(index: int, R: int, page_size: int = 64):
-    """(query rows per CTA, keys per tile, CTAs one wave holds, wgmma copy path) for R rows
-    and this page size on device `index` (copy path: 0 cp.async, 1 TMA, 2 TMA to pairs)."""
+def _device_facts(index: int, R: int, page_size: int = 64, small: bool = False):
+    """(query rows per CTA, keys per tile, CTAs one wave holds, wgmma copy path) for R rows,
+    this page size and launch size (`_small_launch`) on device `index` (copy path: 0
+    cp.async, 1 TMA, 2 TMA to pairs)."""
     rows, keys, wave, copy = _I(), _I(), _I(), _I()
     with torch.cuda.device(index):
-        _check(lib().kd_verify_tile(R, page_size, ctypes.byref(rows), ctypes.byref(keys),
+        _check(lib().kd_verify_tile(R, page_size, int(small), ctypes.byref(rows), ctypes.byref(keys),
                                     ctypes.byref(wave), ctypes.byref(copy)), "kd_verify_tile")
     return rows.value, keys.value, max(1, wave.value), copy.value
 
@@ -311,33 +331,42 @@ def set_verify_path(path: str) -> str:
     return VERIFY_PATHS[old]
 
 
-def verify_kernel(R: int, device, page_size: int = 64) -> str:
+def verify_kernel(R: int, device, page_size: int = 64, B: int | None = None,
+                  max_seq: int | None = None) -> str:
     """Which verify kernel runs for R query rows on `device` now: "mma_sync", "wgmma"
     (cp.async copy), "wgmma_tma" or "wgmma_tma_x2" (key tiles multicast to pairs of row
-    tiles; a launch whose splits merge in clusters, `split_merge`, runs "wgmma_tma")."""
-    rows, keys, _, copy = _device_facts(torch.device(device).index or 0, R, page_size)
+    tiles; a launch whose splits merge in clusters, `split_merge`, runs "wgmma_tma").
+    B and max_seq (block-table columns x page size) give the launch; without them, one
+    that fills the GPU."""
+    small = _launch_is_small(device, B, max_seq)
+    rows, keys, _, copy = _device_facts(torch.device(device).index or 0, R, page_size, small)
     if keys != 64:  # the mma.sync tiles stream 32 keys
         return "mma_sync"
     return {0: "wgmma", 1: "wgmma_tma"}.get(copy, f"wgmma_tma_x{copy}")
 
 
-def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64) -> str:
+def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64,
+                max_seq: int | None = None) -> str:
     """How a launch of B requests of R rows merges its key splits on `device` now: "none"
     (one split), "cluster" (in the attention kernel, through distributed shared memory:
     Hopper's TMA path, 2 splits, 16 or more row tiles of 64 rows, clusters that all fit at
-    once) or "combine_kernel" (bf16 partials, then the combine kernel)."""
+    once) or "combine_kernel" (bf16 partials, then the combine kernel). max_seq as for
+    `verify_kernel`."""
     if num_splits <= 1:
         return "none"
     merges = _I()
     with torch.cuda.device(torch.device(device).index or 0):
-        _check(lib().kd_verify_merges(B, R, page_size, num_splits, ctypes.byref(merges)), "kd_verify_merges")
+        small = int(_launch_is_small(device, B, max_seq))
+        _check(lib().kd_verify_merges(B, R, page_size, num_splits, small, ctypes.byref(merges)),
+               "kd_verify_merges")
     return "cluster" if merges.value else "combine_kernel"
 
 
 def choose_splits(B: int, R: int, max_seq: int, device, page_size: int = 64) -> int:
     """Splits over the keys so that the grid fills one wave of the GPU without spilling into
     a second (read off the device, no sync); each split keeps one or two key tiles."""
-    rows, keys, wave, _ = _device_facts(torch.device(device).index or 0, R, page_size)
+    small = _launch_is_small(device, B, max_seq)
+    rows, keys, wave, _ = _device_facts(torch.device(device).index or 0, R, page_size, small)
     row_tiles = -(-R // rows)
     ctas = B * row_tiles
     tiles = -(-max_seq // keys)

@@ -548,12 +548,18 @@ ATTN_GRID = [
     ([0, 200], 1025, 8, 64),
     ([100], 1025, 16, 1),
     ([8192, 70], 33, 64, 64),
+    # Small trees in launches that fill the GPU: the wgmma kernel on Hopper, one partial
+    # row tile (8, 32 or 64 rows; cp.async for pages of 1 row).
+    ([0, 9000, 4100, 33], 1, 8, 64),
+    ([5000, 1], 2, 16, 64),
+    ([70, 8000], 4, 16, 1),
 ]
 
 
 @pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async", "wgmma_combine"])
 def verify_path(request, ops):
-    """Every verify kernel: "auto" is wgmma on Hopper (rows > 32; keys by TMA where the page
+    """Every verify kernel: "auto" is wgmma on Hopper (but mma.sync for one row tile in a
+    small launch, ops._small_launch; keys by TMA where the page
     size is a multiple of 64; 2 splits merged in clusters from 16 row tiles), "mma_sync"
     the kernel every other GPU runs (sm_120 among them), "wgmma_cp_async" the wgmma
     kernel's cp.async copy, "wgmma_combine" its splits merged by the combine kernel: forced
@@ -569,7 +575,17 @@ def test_hopper_dispatches_to_wgmma(ops):
     old = ops.set_verify_path("auto")
     try:
         assert ops._device_facts(0, 257 * 8)[:2] == (64, 64)    # the wgmma tile
-        assert ops._device_facts(0, 8)[:2] == (16, 32)          # small trees: mma.sync
+        assert ops._device_facts(0, 8)[:2] == (64, 64)          # small trees too
+        # ... but one row tile in a small launch takes mma.sync's tiles of 32 keys.
+        assert ops._device_facts(0, 8, 64, True)[:2] == (16, 32)
+        assert ops._device_facts(0, 64, 64, True)[:2] == (64, 32)
+        assert ops._device_facts(0, 65, 64, True)[:2] == (64, 64)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        for B, max_seq in ((1, 1), (1, 1024), (1, 8192), (3, 1000), (16, 1024), (64, 64)):
+            want = 2 * B * -(-max_seq // 64) < sms
+            assert ops._small_launch(0, B, max_seq) == want, (B, max_seq)
+        assert ops.verify_kernel(8, DEV, 64, B=1, max_seq=1024) == "mma_sync"
+        assert ops.verify_kernel(8, DEV, 64, B=1, max_seq=64 * sms) != "mma_sync"
         # Keys by TMA for pages of 64k rows, multicast to pairs from 16 row tiles (even).
         assert ops.verify_kernel(257 * 8, DEV, 64) == "wgmma_tma"        # 33 row tiles
         assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"         # 2 row tiles
@@ -577,7 +593,6 @@ def test_hopper_dispatches_to_wgmma(ops):
         assert ops.verify_kernel(64 * 16, DEV, 192) == "wgmma_tma_x2"
         assert ops.verify_kernel(64 * 16, DEV, 32) == "wgmma"            # cp.async
         rows, keys, wave, copy = ops._device_facts(0, 64 * 16, 64)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
         assert copy == 2 and wave % 2 == 0 and sms - 16 <= wave <= sms
         # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the
         # clusters all fit at once.

@@ -65,7 +65,7 @@ def assert_threshold_equals_heap(lib, lp, ids, budget):
 
 
 def test_library_exports_the_c_abi(lib):
-    for name in ("kd_build_trees", "kd_tree_accept", "kd_verify_attention", "kd_verify_tile",
+    for name in ("kd_build_trees", "kd_tree_accept", "kd_verify_attention", "kd_verify_tile", "kd_verify_small_launch",
                  "kd_verify_set_path", "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
         assert hasattr(lib, name)
 

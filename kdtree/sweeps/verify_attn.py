@@ -67,6 +67,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
             + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
     ensure_fits(need, cfg["gpu_mem_cap_gb"])
     q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P)
+    max_seq = table.shape[1] * page  # the launch's key range, as ops.verify_attention sees it
     scale = cfg["scale"]
     # Rotate through enough cache copies that one pass over them exceeds twice the L2, so a
     # replay reads HBM as a real decode step does (spec pipeline.md: never time the cache).
@@ -85,15 +86,15 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), cache_copies=copies,
                 **ceilings)
     def kernel_row(impl, kernel, t):  # called while the path it timed is still set
-        splits = ops.choose_splits(B, D * H, table.shape[1] * page, "cuda", page)
-        merge = ops.split_merge(B, D * H, splits, "cuda", page)
+        splits = ops.choose_splits(B, D * H, max_seq, "cuda", page)
+        merge = ops.split_merge(B, D * H, splits, "cuda", page, max_seq)
         if merge == "cluster":  # clusters of splits, so no pairs of row tiles
             kernel = "wgmma_tma"
         return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
                     num_splits=splits, split_merge=merge, **t)
 
-    kernel = ops.verify_kernel(D * H, "cuda", page)
+    kernel = ops.verify_kernel(D * H, "cuda", page, B, max_seq)
     rows = [kernel_row("kdtree_kernel", kernel, t)]
     # A/Bs in the same run on the same inputs: the mma.sync kernel other GPUs (sm_120) run;
     # where the wgmma kernel copies keys by TMA, its cp.async copy; where its splits merge
@@ -108,7 +109,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     for path in others:
         old = ops.set_verify_path(path)
         try:
-            rows.append(kernel_row(f"kdtree_{path}", ops.verify_kernel(D * H, "cuda", page),
+            rows.append(kernel_row(f"kdtree_{path}", ops.verify_kernel(D * H, "cuda", page, B, max_seq),
                                    time_graph(fn, replays=cfg["gpu_replays"], inner=inner)))
         finally:
             ops.set_verify_path(old)

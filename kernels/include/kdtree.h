@@ -72,13 +72,18 @@ int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* bloc
                         int num_splits, void* out, float* lse, void* partial_out,
                         float* partial_lse, void* stream);
 
-// The tile the current device gets for R = D*H query rows and this page size (chosen by
-// R, the kernel path below, the device's compute capability and shared memory per block):
-// query rows per CTA, keys per shared-memory tile (64 only for the wgmma kernel), CTAs
-// resident at once (one wave, for sizing splits on the host) and the wgmma kernel's key
-// copy (0: cp.async or not the wgmma kernel; 1: TMA; 2: TMA multicast to pairs of row
-// tiles).
-int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
+// Whether a launch of B requests over block tables of max_seq keys (max_pages * page_size)
+// is small: 2 * B * ceil(max_seq / 64) < the device's SM count. kd_verify_attention decides
+// this itself; the host asks here to size splits for the same tile.
+int kd_verify_small_launch(int B, int max_seq, int* small);
+
+// The tile the current device gets for R = D*H query rows, this page size and launch size
+// (small: kd_verify_small_launch's answer; chosen by R, the kernel path below, the device's
+// compute capability and shared memory per block): query rows per CTA, keys per
+// shared-memory tile (64 only for the wgmma kernel), CTAs resident at once (one wave, for
+// sizing splits on the host) and the wgmma kernel's key copy (0: cp.async or not the wgmma
+// kernel; 1: TMA; 2: TMA multicast to pairs of row tiles).
+int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
                    int* copy_path);
 
 // Whether a launch of B requests, R rows each, with these splits merges the splits inside
@@ -86,7 +91,8 @@ int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, 
 // of 64 rows, and clusters that all fit on the GPU at once; no partials are written and no
 // combine kernel runs) or, with
 // several splits, through partial_out/partial_lse and the combine kernel (*merges = 0).
-int kd_verify_merges(int B, int R, int page_size, int num_splits, int* merges);
+// small: as for kd_verify_tile.
+int kd_verify_merges(int B, int R, int page_size, int num_splits, int small, int* merges);
 
 // Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
 // sm_90a, mma.sync elsewhere), 1 = the mma.sync kernel everywhere (so a Hopper GPU tests

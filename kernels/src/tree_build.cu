@@ -44,8 +44,11 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
   int head = (int)((16 - ((uintptr_t)out & 15)) & 15);
   if (head > total) head = total;
   const int chunks = (total - head) >> 4, tail = head + (chunks << 4);
-  for (int f = tid; f < head; f += nthreads) out[f] = vis_bit(bits, W, f / D, f % D);
-  for (int f = tail + tid; f < total; f += nthreads) out[f] = vis_bit(bits, W, f / D, f % D);
+  // The two ends are under 16 bytes: from D = 16 in the first and the last row, so no
+  // divisions (their code alone was ~160 instructions to fetch at the kernel's end).
+  for (int f = tid; f < head; f += nthreads) out[f] = D >= 16 ? vis_bit(bits, W, 0, f) : vis_bit(bits, W, f / D, f % D);
+  for (int f = tail + tid; f < total; f += nthreads)
+    out[f] = D >= 16 ? vis_bit(bits, W, D - 1, f - (total - D)) : vis_bit(bits, W, f / D, f % D);
   uint4* body = reinterpret_cast<uint4*>(out + head);
   const int stride = nthreads << 4, di = stride / D, dj = stride - di * D;
   int i = (head + (tid << 4)) / D, j = head + (tid << 4) - i * D;
@@ -184,8 +187,15 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   KD_PROF(5);
   const int64_t prefix = prefix_lens ? prefix_lens[b] : 0;
 
-  // Per-slot arrays; padding slots are unreachable leaves of the root.
+  // Per-slot arrays; padding slots are unreachable leaves of the root. With vis_smem the
+  // same pass builds the ancestor rows as bits in shared memory, over the selection's
+  // buffers (dead: every path ends its selection with a barrier after its last read): a
+  // thread per row walks up its chain (at most L steps). One pass, not two with a barrier
+  // between: at the kernel's end each new stretch of code is an instruction-cache miss
+  // (ncu, B 64 x 16: "no instruction" was 27% of the stall samples, most of them here).
   const size_t row0 = (size_t)b * D;
+  const int W = ceil_div(D, 32);
+  uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
   for (int i = tid; i < D; i += blockDim.x) {
     const bool live = i <= n;
     const uint32_t node = s_nodes[i];
@@ -199,25 +209,20 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     positions[row0 + i] = prefix + depth;
     next_token[row0 + i] = live ? sel.next_token[i] : -1;
     next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
-  }
-  if (tid == 0) { node_counts[b] = n; status[b] = flags; }
-  KD_PROF(6);
-
-  const int W = ceil_div(D, 32);
-  if (vis_smem) {
-    // Ancestor rows as bits in shared memory (over the dead selection buffers): a thread
-    // per row walks up its chain (at most L steps); then both outputs stream out coalesced.
-    uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
-    __syncthreads();  // the selection's shared buffers are no longer read
-    for (int i = tid; i < D; i += blockDim.x) {
+    if (vis_smem) {
       uint32_t* row = s_bits + (size_t)i * W;
       for (int w = 0; w < W; ++w) row[w] = 0;
       row[i >> 5] |= 1u << (i & 31);
-      for (int a = i > n ? 0 : (i == 0 ? -1 : node_parent(s_nodes[i])), guard = 0; a >= 0 && guard < D; ++guard) {
+      for (int a = live ? (i == 0 ? -1 : node_parent(node)) : 0, guard = 0; a >= 0 && guard < D; ++guard) {
         row[a >> 5] |= 1u << (a & 31);  // padding rows (i > n): root + itself
         a = a == 0 ? -1 : node_parent(s_nodes[a]);
       }
     }
+  }
+  if (tid == 0) { node_counts[b] = n; status[b] = flags; }
+  KD_PROF(6);
+
+  if (vis_smem) {
     __syncthreads();
     KD_PROF(7);
     if (visibility_bits) {
@@ -354,7 +359,7 @@ extern "C" int kd_build_set_smem_limit(int bytes) {
 #ifdef KD_BUILD_PROFILE
 // Phase stamps of block 0 in the last launch (profile builds only).
 extern "C" int kd_build_profile(long long* out) {
-  return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * 24);
+  return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * kd::KD_PROF_SLOTS);
 }
 #endif
 

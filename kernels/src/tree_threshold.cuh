@@ -32,7 +32,8 @@ namespace kd {
 
 // Profile builds (-DKD_BUILD_PROFILE): block 0 stamps clock64() at phase ends.
 #ifdef KD_BUILD_PROFILE
-__device__ long long g_prof[24];
+constexpr int KD_PROF_SLOTS = 32;
+__device__ long long g_prof[KD_PROF_SLOTS];
 #endif
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
 #define KD_PROF(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
@@ -349,7 +350,10 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
     if (wtot == 0) continue;
     int base = lane == 31 ? atomicAdd(counter, wtot) : 0;
     base = __shfl_sync(FULL_MASK, base, 31);
-    for (int j0 = 0; j0 < wtot; j0 += 32) {
+    // Only children that fit are laid out: an overflowing level's full count may be
+    // thousands (64 parents x 64 ranks), and the loop over it cost up to 12k cycles at
+    // budget 64 (H200 stamps) for writes that were all dropped.
+    for (int j0 = 0; j0 < wtot && base + j0 < room; j0 += 32) {
       const int j = j0 + lane, o = owner_lane(incl, j);
       const int po = __shfl_sync(FULL_MASK, p, o), first = __shfl_sync(FULL_MASK, incl - c, o);
       const int at = base + j;
@@ -431,17 +435,18 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
   return total;
 }
 
-// The first levels while they are narrow (at most 32 parents), by warp 0 alone: a block
-// level costs ~700 cycles (H200 stamps), much of it the block barrier, the counter and its
-// read-back, and a budget-16 tree is often a chain of 15 such levels. Stops at the first
-// wider level, at a level that would overflow the buffer (the block redoes it and raises
-// tau) or at the tree's end (*d = L); the block goes on from *d. The level counters stay
-// untouched, so the block's next levels find theirs at zero.
+// Levels from *d (parents [*lb, *le)) while they are narrow (at most 32 parents), by warp 0
+// alone: a block level costs ~700 cycles (H200 stamps), much of it the block barrier, the
+// counter and its read-back, and a budget-16 tree is often a chain of 15 such levels. Runs
+// from the root and again after a raise. Stops at the first wider level, at a level that
+// would overflow the buffer (the block redoes it and raises tau) or at the tree's end
+// (*d = L); the block goes on from *d. The level counters stay untouched: the caller has
+// them at zero.
 __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, int* d, int* lb,
                               int* le, int tid) {
   int* state = t.scratch + TS_NARROW;
   if (tid < 32) {
-    int wd = 0, wlb = 0, wle = 1;
+    int wd = *d, wlb = *lb, wle = *le;
     while (wd < L && wle - wlb <= 32) {
       const int total = materialise_narrow(t, t.lp + wd * t.ld, keff, wd, tau, wlb, wle, tid);
       if (total > t.cap - wle) break;
@@ -514,14 +519,13 @@ __device__ __forceinline__ uint64_t score_key(double x) {
 
 constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (kernels/NOTES.md)
 
-// Items 0 .. m-1 := nodes 1 .. m, sorted best first, for m <= RANK_SORT_MAX: an item's
-// place is the number of items better than it, counted against every other item: a
-// broadcast load of its score and path key and one branch-free 320-bit compare each. m^2
-// compares, but no barrier or dependent search between them (the merge below spent
-// 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts for 32
-// items against one slice of the items (slices keep all warps busy at small m) and adds
-// its counts into t.pos, which the caller zeroes.
-__device__ void rank_sort(const Threshold& t, int m, int tid, int nthreads) {
+// The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
+// zeroes), for m <= RANK_SORT_MAX: the number of nodes better than it, counted against
+// every other node: a broadcast load of its score and path key and one branch-free 320-bit
+// compare each. m^2 compares, but no barrier or dependent search between them (the merge
+// below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
+// for 32 nodes against one slice of the nodes (slices keep all warps busy at small m).
+__device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
   const int lane = tid & 31, warp = tid >> 5, groups = (m + 31) >> 5;
   const int slices = max(1, (nthreads >> 5) / groups);
   if (warp < groups * slices) {
@@ -542,9 +546,30 @@ __device__ void rank_sort(const Threshold& t, int m, int tid, int nthreads) {
   }
   KD_PROF(9);
   __syncthreads();
-  for (int e = tid; e < m; e += nthreads)
-    t.items[t.pos[e]] = SortItem{t.score[e + 1], t.keys[(size_t)(e + 1) * KEY_WORDS], e + 1, 0};
-  __syncthreads();
+}
+
+// The pops straight from rank_count's places: node i = e + 1 is pop t.pos[e] + 1 where
+// that place is < n. One pass over the nodes writes out.nodes and the links and checks the
+// certificate's last conditions (exact sums, parents popped); no sorted list is laid out
+// (v3h: a scatter, a clear of the pop indices and a pass over the sorted list, three more
+// barriers and ~1.5k cycles, much of it instruction fetch at the kernel's end, ncu).
+// Returns false where the check fails.
+__device__ bool emit_by_rank(const Threshold& t, int m, int n, const Selection& out, int tid, int nthreads) {
+  bool bad = false;
+  for (int e = tid; e < m; e += nthreads) {
+    const int r = t.pos[e];
+    if (r >= n) continue;
+    const uint32_t mi = t.meta[e + 1];
+    const int p = ts_parent(mi), pr = p == 0 ? -1 : t.pos[p - 1];
+    const int pp = p == 0 ? 0 : (pr < n ? pr + 1 : 0);
+    bad |= ts_inexact(mi) || (p != 0 && pp == 0);
+    out.nodes[r + 1] = pack_node(pp, ts_rank(mi), ts_depth(mi));
+    if (ts_rank(mi) == 0) out.next_token[pp] = (int16_t)(r + 1);
+    // The next sibling (next rank) is the next node of the buffer if it has this parent.
+    if (e + 1 < m && ts_parent(t.meta[e + 2]) == p && t.pos[e + 1] < n)
+      out.next_sibling[r + 1] = (int16_t)(t.pos[e + 1] + 1);
+  }
+  return __syncthreads_or(bad) == 0;
 }
 #endif
 
@@ -562,7 +587,6 @@ constexpr int TS_SORT_SLOTS = 4;  // items a thread holds: cap / threads <= 2048
 KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   const int cap = t.cap;
 #ifdef __CUDA_ARCH__
-  if (m <= RANK_SORT_MAX) return rank_sort(t, m, tid, nthreads);
   int P = 32;
   while (P < m) P <<= 1;
   SortItem it[TS_SORT_SLOTS];
@@ -763,20 +787,31 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
 #ifdef __CUDA_ARCH__
     narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
 #endif
+    KD_PROF(23);
     for (; d < L;) {
       const float* row = t.lp + d * t.ld;
       const int room = cap - le;
       const int total = materialise_level(t, row, keff, d, tau, lb, le, tid, nthreads);
       if (total > room) {  // overflow: raise tau over what is materialised, redo this level
+        KD_PROF(24);
         if (++raises > TS_MAX_RAISES) return -1;
         double nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
-        if (tid == 0) t.scratch[TS_COUNTERS + d % 3] = 0;  // read by all before raise_tau's barriers
+        KD_PROF(21);
+        // All three level counters to zero (read by all before raise_tau's barriers): the
+        // narrow levels below may skip any number of levels.
+        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
         if (nt > tau) {
           tau = nt;
           guess = false;
           le = compact(t, le, tau, &lb, tid, nthreads);
+          KD_PROF(22);
+#ifdef __CUDA_ARCH__
+          // The redone level and the ones after are often narrow again (a raise keeps
+          // about `budget` nodes): warp 0 takes them without block barriers.
+          if (le - lb <= 32) narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+#endif
           continue;
         }
         lo = tau;  // stuck on ties: guess
@@ -816,6 +851,13 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   }
   KD_BARRIER();
   KD_PROF(3);
+#ifdef __CUDA_ARCH__
+  if (m <= RANK_SORT_MAX) {
+    rank_count(t, m, tid, nthreads);
+    KD_PROF(4);
+    return emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
+  }
+#endif
   sort_items(t, m, tid, nthreads);
   KD_PROF(4);
   // Pop index of every selected node; refuse if a sum was inexact or a parent is missing.

@@ -243,14 +243,30 @@ namespace kd {
 namespace {
 
 // The tile for R query rows on this device: the wgmma kernel on Hopper (sm_90a in the
-// build) for more than 32 rows; otherwise the fewest mma.sync rows that cover R (no idle
-// warps on small trees), as far as the device's shared memory per block allows.
+// build), except for a small launch of one 64-row tile; otherwise the fewest mma.sync rows
+// that cover R (no idle warps on small trees), as far as the device's shared memory per
+// block allows.
 enum class TileKind { WGMMA, T64, T32, T16 };
 
 int g_verify_path = 0;  // kd_verify_set_path: 0 auto; 1 mma.sync only; 2 wgmma by cp.async;
                         // 3 splits through the combine kernel
 
-int pick_tile(int R, TileKind* kind) {
+// A launch too small for every SM to get one of the mma.sync kernel's 32-key tiles:
+// 2 * B * ceil(max_seq / 64) < SMs. There, for one row tile (R <= 64), mma.sync splits of a
+// single 32-key tile finish sooner than the wgmma kernel's 64-key ones; from there on the
+// wgmma kernel wins at any R, small trees included (H200, same run, H 8, D 1: B 1, P 1k
+// 8.2 us mma.sync vs 11.2 wgmma; B 1, P 8k 15.0 vs 12.5; B 1, P 32k 28.1 vs 20.0; B 16, P 8k
+// 53.3 vs 46.2; kernels/NOTES.md v8).
+int small_launch(int B, long long max_seq, bool* small) {
+  int dev = 0, sms = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return (int)e;
+  *small = 2LL * B * ((max_seq + 63) / 64) < sms;
+  return 0;
+}
+
+int pick_tile(int R, bool small, TileKind* kind) {
   int dev = 0, optin = 0, major = 0, minor = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
@@ -260,7 +276,10 @@ int pick_tile(int R, TileKind* kind) {
   const size_t room = (size_t)optin;
   bool wgmma = false;
 #ifdef KD_HAS_SM90A
-  wgmma = g_verify_path != 1 && major == 9 && minor == 0 && R > 32 && room >= verify_wgmma_smem_bytes();
+  wgmma = g_verify_path != 1 && major == 9 && minor == 0 && (R > WGMMA_ROWS || !small) &&
+          room >= verify_wgmma_smem_bytes();
+#else
+  (void)small;
 #endif
   if (wgmma) *kind = TileKind::WGMMA;
   else if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
@@ -310,11 +329,19 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 }  // namespace kd
 
-extern "C" int kd_verify_tile(int R, int page_size, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
-                              int* copy_path) {
+extern "C" int kd_verify_small_launch(int B, int max_seq, int* small) {
+  if (B < 0 || max_seq < 0) return KD_ERR_ARGUMENT;
+  bool s = false;
+  const int err = kd::small_launch(B, max_seq, &s);
+  *small = s;
+  return err;
+}
+
+extern "C" int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta, int* keys_per_tile,
+                              int* wave_ctas, int* copy_path) {
   if (R < 1 || page_size < 1) return KD_ERR_ARGUMENT;
   kd::TileKind kind;
-  int err = kd::pick_tile(R, &kind);
+  int err = kd::pick_tile(R, small != 0, &kind);
   if (err) return err;
   *rows_per_cta = kd::tile_rows(kind);
   *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
@@ -344,10 +371,10 @@ extern "C" int kd_verify_set_path(int path) {
   return old;
 }
 
-extern "C" int kd_verify_merges(int B, int R, int page_size, int num_splits, int* merges) {
+extern "C" int kd_verify_merges(int B, int R, int page_size, int num_splits, int small, int* merges) {
   if (B < 0 || R < 1 || page_size < 1 || num_splits < 1) return KD_ERR_ARGUMENT;
   kd::TileKind kind;
-  const int err = kd::pick_tile(R, &kind);
+  const int err = kd::pick_tile(R, small != 0, &kind);
   if (err) return err;
   *merges = 0;
 #ifdef KD_HAS_SM90A
@@ -383,8 +410,11 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.part_out = static_cast<__nv_bfloat16*>(partial_out);
   p.part_lse = partial_lse;
   cudaStream_t st = (cudaStream_t)stream;
+  bool small = false;
+  int rc = kd::small_launch(B, (long long)max_pages * page_size, &small);
+  if (rc) return rc;
   kd::TileKind kind;
-  int rc = kd::pick_tile(p.R, &kind);
+  rc = kd::pick_tile(p.R, small, &kind);
   if (rc) return rc;
   bool merged = false;  // the splits merged in the attention kernel (clusters on Hopper)
 #ifdef KD_HAS_SM90A
