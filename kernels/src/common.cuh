@@ -20,4 +20,14 @@ constexpr int64_t PAD_TOKEN = 0;
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// x / s for 0 <= x < 2^20 and 1 <= s < 2^20, exact: a float quotient, then one correction
+// each way (a few instructions; the integer division is a ~20-instruction sequence, and
+// in the tree build's once-run code each instruction is also a fetch).
+__device__ __forceinline__ int small_div(int x, int s) {
+  int q = __float2int_rz(__fdividef((float)x, (float)s));
+  q += (q + 1) * s <= x;
+  q -= q * s > x;
+  return q;
+}
+
 }  // namespace kd

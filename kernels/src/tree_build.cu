@@ -50,8 +50,8 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
   for (int f = tail + tid; f < total; f += nthreads)
     out[f] = D >= 16 ? vis_bit(bits, W, D - 1, f - (total - D)) : vis_bit(bits, W, f / D, f % D);
   uint4* body = reinterpret_cast<uint4*>(out + head);
-  const int stride = nthreads << 4, di = stride / D, dj = stride - di * D;
-  int i = (head + (tid << 4)) / D, j = head + (tid << 4) - i * D;
+  const int stride = nthreads << 4, di = small_div(stride, D), dj = stride - di * D;
+  int i = small_div(head + (tid << 4), D), j = head + (tid << 4) - i * D;
   for (int c = tid; c < chunks; c += nthreads) {
     uint32_t x = row_bits16(bits, W, i, j);  // the 16 bits of bytes f .. f + 15
     if (j + 16 > D) {
@@ -190,7 +190,8 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // Per-slot arrays; padding slots are unreachable leaves of the root. With vis_smem the
   // same pass builds the ancestor rows as bits in shared memory, over the selection's
   // buffers (dead: every path ends its selection with a barrier after its last read): a
-  // thread per row walks up its chain (at most L steps). One pass, not two with a barrier
+  // thread per row walks up its chain (at most L steps); rows of one word (D <= 32) go
+  // out from registers, no shared memory or barrier. One pass, not two with a barrier
   // between: at the kernel's end each new stretch of code is an instruction-cache miss
   // (ncu, B 64 x 16: "no instruction" was 27% of the stall samples, most of them here).
   const size_t row0 = (size_t)b * D;
@@ -209,7 +210,18 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     positions[row0 + i] = prefix + depth;
     next_token[row0 + i] = live ? sel.next_token[i] : -1;
     next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
-    if (vis_smem) {
+    if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
+      uint32_t row = 1u << i;
+      for (int a = live ? (i == 0 ? -1 : node_parent(node)) : 0, guard = 0; a >= 0 && guard < D; ++guard) {
+        row |= 1u << a;  // padding rows (i > n): root + itself
+        a = a == 0 ? -1 : node_parent(s_nodes[a]);
+      }
+      if (visibility_bits) visibility_bits[row0 + i] = (int32_t)row;
+      if (visibility) {
+        uint8_t* out = visibility + (row0 + i) * D;
+        for (int j = 0; j < D; ++j) out[j] = (row >> j) & 1u;
+      }
+    } else if (vis_smem) {
       uint32_t* row = s_bits + (size_t)i * W;
       for (int w = 0; w < W; ++w) row[w] = 0;
       row[i >> 5] |= 1u << (i & 31);
@@ -222,7 +234,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) { node_counts[b] = n; status[b] = flags; }
   KD_PROF(6);
 
-  if (vis_smem) {
+  if (W == 1) {
+    // written above
+  } else if (vis_smem) {
     __syncthreads();
     KD_PROF(7);
     if (visibility_bits) {

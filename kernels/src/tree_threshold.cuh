@@ -395,9 +395,10 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     // a power of two). A parent's children in S are a rank prefix, so one ballot a step
     // lays the level out (parents in order, ranks ascending) without the binary search,
     // scan and owner search below (~5 dependent steps each).
-    const int G = 1 << (32 - __clz(max(keff, 1) - 1)), per = 32 / G;
+    // Shifts, not divisions: this runs once a level on warp 0's dependent path.
+    const int lg = 32 - __clz(max(keff, 1) - 1), G = 1 << lg, per = 32 >> lg;
     if (le - lb <= NARROW_BALLOT_STEPS * per) {
-      const int j = lane / G, r = lane & (G - 1);
+      const int j = lane >> lg, r = lane & (G - 1);
       const unsigned below = (1u << lane) - 1u;
       int total = 0;
       for (int p0 = lb; p0 < le; p0 += per) {
@@ -525,12 +526,14 @@ constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (k
 // compare each. m^2 compares, but no barrier or dependent search between them (the merge
 // below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
 // for 32 nodes against one slice of the nodes (slices keep all warps busy at small m).
+// The split's divisions are small_div's (five integer divisions here were ~100 instructions
+// and their latency in front of the count; ncu).
 __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
-  const int lane = tid & 31, warp = tid >> 5, groups = (m + 31) >> 5;
-  const int slices = max(1, (nthreads >> 5) / groups);
+  const int lane = tid & 31, warp = tid >> 5, groups = max(1, (m + 31) >> 5);
+  const int slices = max(1, small_div(nthreads >> 5, groups));
   if (warp < groups * slices) {
-    const int e = (warp % groups) * 32 + lane, h = warp / groups;
-    const int lo = h * m / slices, hi = (h + 1) * m / slices;
+    const int h = small_div(warp, groups), e = (warp - h * groups) * 32 + lane;
+    const int lo = small_div(h * m, slices), hi = small_div((h + 1) * m, slices);
     const int me = e < m ? e + 1 : 1;  // lanes past m count for node 1 and drop it
     const uint64_t u = score_key(t.score[me]);
     const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
