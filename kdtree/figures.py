@@ -64,8 +64,9 @@ def tree_build(df: pd.DataFrame, path):
 
 
 # What each verify `impl` is, for legends: "kdtree_kernel" is what the library dispatches on
-# the measuring GPU (wgmma on Hopper for more than 32 query rows, keys by TMA where the
-# page size allows; mma.sync otherwise); the others are same-run A/Bs on the same inputs.
+# the measuring GPU (wgmma on Hopper, but mma.sync for one row tile in a small launch; keys
+# by TMA where the page size allows; mma.sync on other GPUs); the others are same-run A/Bs
+# on the same inputs.
 VERIFY_IMPLS = {"kdtree_kernel": "kdtree (dispatched kernel)",
                 "kdtree_mma_sync": "kdtree, mma.sync kernel (sm_120's)",
                 "kdtree_wgmma_cp_async": "kdtree, wgmma with cp.async keys (not TMA)",

@@ -93,6 +93,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
   KD_PROF(0);
+#if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
+  const long long t_begin = clock64();
+#endif
   const bool threshold = ts_cap > 0;
   const Threshold ts = ts_views(s_dyn, L, lp_ld, threshold ? ts_cap : TS_MIN_NODES);
   // Warp-loop views: its keys sit over the node buffer in threshold mode.
@@ -277,6 +280,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     }
   }
   KD_PROF(8);
+#if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
+  if (tid == 0 && b < KD_PROF_BLOCKS) g_block_cycles[b] = clock64() - t_begin;
+#endif
 }
 
 }  // namespace
@@ -374,6 +380,11 @@ extern "C" int kd_build_set_smem_limit(int bytes) {
 // Phase stamps of block 0 in the last launch (profile builds only).
 extern "C" int kd_build_profile(long long* out) {
   return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * kd::KD_PROF_SLOTS);
+}
+// Cycles each of the first KD_PROF_BLOCKS requests took in the last launch (thread 0's
+// clock from its start to its end): which request sets a batch's time.
+extern "C" int kd_build_profile_blocks(long long* out) {
+  return (int)cudaMemcpyFromSymbol(out, kd::g_block_cycles, sizeof(long long) * kd::KD_PROF_BLOCKS);
 }
 #endif
 

@@ -34,6 +34,8 @@ namespace kd {
 #ifdef KD_BUILD_PROFILE
 constexpr int KD_PROF_SLOTS = 32;
 __device__ long long g_prof[KD_PROF_SLOTS];
+constexpr int KD_PROF_BLOCKS = 256;
+__device__ long long g_block_cycles[KD_PROF_BLOCKS];  // per request: tree_build.cu
 #endif
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
 #define KD_PROF(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
