@@ -578,7 +578,8 @@ __device__ bool emit_by_rank(const Threshold& t, int m, int n, const Selection& 
 }
 #endif
 
-// Items 0 .. m-1 := nodes 1 .. m, sorted best first. Device: a thread holds items
+// Items 0 .. m-1 := nodes 1 .. m, sorted best first (on the device only for more than
+// RANK_SORT_MAX nodes: fewer go through rank_count). Device: a thread holds items
 // e = s * nthreads + tid (pads past m, up to P = the next power of two >= 32, sort last);
 // each warp first sorts its 32 in registers (bitonic on shuffles; warps holding only
 // positions >= P sit it out), then runs of 32, 64, ... are merged pairwise by rank: an
