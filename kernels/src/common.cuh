@@ -18,6 +18,31 @@ constexpr int V_DIM = 512;      // values: the first 512 columns of a cache row
 constexpr float NEG_INF_FLOOR = -1.0e4f;   // -inf log-probs are clamped to this (spec 1)
 constexpr int64_t PAD_TOKEN = 0;
 
+// What launch paths read off the current device, once per device (so launches query no
+// attributes): its index, SMs, shared memory a block may opt in to, compute capability.
+struct DeviceFacts {
+  int device, sms, smem_optin, major, minor, ready;
+};
+inline int device_facts(const DeviceFacts** out) {
+  static DeviceFacts facts[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return (int)e;
+  if (dev < 0 || dev >= 64) return KD_ERR_ARGUMENT;
+  DeviceFacts& f = facts[dev];
+  if (!f.ready) {
+    e = cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (e != cudaSuccess) return (int)e;
+    f.device = dev;
+    f.ready = 1;
+  }
+  *out = &f;
+  return 0;
+}
+
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // x / s for 0 <= x < 2^20 and 1 <= s < 2^20, exact: a float quotient, then one correction
@@ -28,6 +53,22 @@ __device__ __forceinline__ int small_div(int x, int s) {
   q += (q + 1) * s <= x;
   q -= q * s > x;
   return q;
+}
+
+// Programmatic dependent launch (sm_90 on): a kernel launched with the programmatic
+// stream-serialisation attribute may be scheduled while the kernel before it drains, so its
+// launch latency hides behind that kernel's tail. It must call pdl_wait() before it reads
+// anything the kernel before wrote. The kernel before may call pdl_launch_dependents():
+// the dependent is scheduled once every CTA has called it or exited.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 }  // namespace kd

@@ -27,6 +27,17 @@ __device__ __forceinline__ uint8_t vis_bit(const uint32_t* bits, int W, int i, i
   return (bits[i * W + (j >> 5)] >> (j & 31)) & 1u;
 }
 
+// Calls f(a) for slot i and each of its ancestors up to the root (a padding slot, i > n,
+// is an unreachable leaf of the root). At most D steps, whatever the parents say.
+template <class F>
+__device__ __forceinline__ void for_each_ancestor(const uint32_t* nodes, int i, int n, int D, F f) {
+  f(i);
+  for (int a = i == 0 ? -1 : (i <= n ? node_parent(nodes[i]) : 0), guard = 0; a >= 0 && guard < D; ++guard) {
+    f(a);
+    a = a == 0 ? -1 : node_parent(nodes[a]);
+  }
+}
+
 // 16 bits of row i of the D x D bit matrix from column j (bits past D are 0 in a row).
 __device__ __forceinline__ uint32_t row_bits16(const uint32_t* bits, int W, int i, int j) {
   const int w = j >> 5;
@@ -214,11 +225,8 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     next_token[row0 + i] = live ? sel.next_token[i] : -1;
     next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
     if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
-      uint32_t row = 1u << i;
-      for (int a = live ? (i == 0 ? -1 : node_parent(node)) : 0, guard = 0; a >= 0 && guard < D; ++guard) {
-        row |= 1u << a;  // padding rows (i > n): root + itself
-        a = a == 0 ? -1 : node_parent(s_nodes[a]);
-      }
+      uint32_t row = 0;
+      for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
       if (visibility_bits) visibility_bits[row0 + i] = (int32_t)row;
       if (visibility) {
         uint8_t* out = visibility + (row0 + i) * D;
@@ -227,19 +235,14 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     } else if (vis_smem) {
       uint32_t* row = s_bits + (size_t)i * W;
       for (int w = 0; w < W; ++w) row[w] = 0;
-      row[i >> 5] |= 1u << (i & 31);
-      for (int a = live ? (i == 0 ? -1 : node_parent(node)) : 0, guard = 0; a >= 0 && guard < D; ++guard) {
-        row[a >> 5] |= 1u << (a & 31);  // padding rows (i > n): root + itself
-        a = a == 0 ? -1 : node_parent(s_nodes[a]);
-      }
+      for_each_ancestor(s_nodes, i, n, D, [&](int a) { row[a >> 5] |= 1u << (a & 31); });
     }
   }
   if (tid == 0) { node_counts[b] = n; status[b] = flags; }
   KD_PROF(6);
 
-  if (W == 1) {
-    // written above
-  } else if (vis_smem) {
+  // Rows of one word (D <= 32) went out from registers above.
+  if (W > 1 && vis_smem) {
     __syncthreads();
     KD_PROF(7);
     if (visibility_bits) {
@@ -247,23 +250,16 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int i = tid; i < D * W; i += blockDim.x) vb[i] = (int32_t)s_bits[i];
     }
     if (visibility) write_visibility_bytes(visibility + (size_t)b * D * D, s_bits, D, W, tid, blockDim.x);
-  } else {
+  } else if (W > 1) {
     // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     for (int i = warp; i < D; i += nwarps) {
       uint32_t w0 = 0, w1 = 0;
-      int a = i;
-      if (i > n) {  // padding row: root + itself
-        if ((i >> 5) == lane) w0 |= 1u << (i & 31);
-        if ((i >> 5) == lane + 32) w1 |= 1u << (i & 31);
-        a = 0;
-      }
-      for (int guard = 0; a >= 0 && guard <= D; ++guard) {  // a chain is at most D long
+      for_each_ancestor(s_nodes, i, n, D, [&](int a) {
         const int w = a >> 5;
         if (w == lane) w0 |= 1u << (a & 31);
         if (w == lane + 32) w1 |= 1u << (a & 31);
-        a = a == 0 ? -1 : node_parent(s_nodes[a]);
-      }
+      });
       const size_t vrow = ((size_t)b * D + i);
       if (visibility_bits) {
         if (lane < W) visibility_bits[vrow * W + lane] = (int32_t)w0;
@@ -299,24 +295,21 @@ BuildFacts g_facts[64];
 int g_smem_limit = 0;  // bytes of dynamic shared memory the build may use; 0: the device's
 
 int build_facts(BuildFacts** out) {
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return (int)e;
-  if (dev < 0 || dev >= 64) return KD_ERR_ARGUMENT;
-  BuildFacts& f = g_facts[dev];
+  const kd::DeviceFacts* d = nullptr;
+  int rc = kd::device_facts(&d);
+  if (rc != 0) return rc;
+  BuildFacts& f = g_facts[d->device];
   if (!f.ready) {
-    int optin = 0, sms = 0;
     cudaFuncAttributes fa;
-    e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
-    const size_t room = (size_t)optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
+    cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
+    const size_t optin = (size_t)d->smem_optin;
+    const size_t room = optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
     // The cap on dynamic shared memory, raised once to all the device allows.
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
     if (e != cudaSuccess) return (int)e;
     f.room = room;
-    f.sms = sms;
+    f.sms = d->sms;
     f.ready = 1;
   }
   *out = &f;

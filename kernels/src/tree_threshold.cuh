@@ -313,12 +313,17 @@ KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int
   return kept;
 }
 
-// Child r of parent p (at level d) into slot `at`: its score, the FP64 sum the spec fixes,
-// and its meta (the sum's exactness decides whether ties need the exact path).
-KD_HD void write_child(const Threshold& t, const float* row, int d, int p, int r, int at) {
-  const double sp = t.score[p], x = (double)row[r], sc = KD_DADD(sp, x);
+// Child r of parent p (at level d), scored sc = sp + x, into slot `at`: its score, the FP64
+// sum the spec fixes, and its meta (the sum's exactness decides whether ties need the exact
+// path).
+KD_HD void store_child(const Threshold& t, int d, int p, int r, int at, double sp, double x, double sc) {
   t.score[at] = sc;
   t.meta[at] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
+}
+
+KD_HD void write_child(const Threshold& t, const float* row, int d, int p, int r, int at) {
+  const double sp = t.score[p], x = (double)row[r];
+  store_child(t, d, p, r, at, sp, x, KD_DADD(sp, x));
 }
 
 #ifdef __CUDA_ARCH__
@@ -415,10 +420,7 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
         }
         const unsigned mask = __ballot_sync(FULL_MASK, in);
         const int at = total + __popc(mask & below);
-        if (in && at < room) {
-          t.score[le + at] = sc;
-          t.meta[le + at] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
-        }
+        if (in && at < room) store_child(t, d, p, r, le + at, sp, x, sc);
         total += __popc(mask);
       }
       __syncwarp();

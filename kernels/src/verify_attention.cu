@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     }
   }
   cp_async_wait<0>();
+  pdl_launch_dependents();  // the combine (if any) may be scheduled: it waits for our stores
 
   // Row sums: this warp's keys plus the partner's.
   if (t == 0) { sSum[half * ROWS + qrow + g] = l_run[0]; sSum[half * ROWS + qrow + g + 8] = l_run[1]; }
@@ -240,6 +241,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 }  // namespace kd
 
 namespace kd {
+
 namespace {
 
 // The tile for R query rows on this device: the wgmma kernel on Hopper (sm_90a in the
@@ -257,35 +259,23 @@ int g_verify_path = 0;  // kd_verify_set_path: 0 auto; 1 mma.sync only; 2 wgmma 
 // wgmma kernel wins at any R, small trees included (H200, same run, H 8, D 1: B 1, P 1k
 // 8.2 us mma.sync vs 11.2 wgmma; B 1, P 8k 15.0 vs 12.5; B 1, P 32k 28.1 vs 20.0; B 16, P 8k
 // 53.3 vs 46.2; kernels/NOTES.md v8).
-int small_launch(int B, long long max_seq, bool* small) {
-  int dev = 0, sms = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return (int)e;
-  *small = 2LL * B * ((max_seq + 63) / 64) < sms;
-  return 0;
+bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
+  return 2LL * B * ((max_seq + 63) / 64) < d.sms;
 }
 
-int pick_tile(int R, bool small, TileKind* kind) {
-  int dev = 0, optin = 0, major = 0, minor = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
-  if (e != cudaSuccess) return (int)e;
-  const size_t room = (size_t)optin;
+TileKind pick_tile(const DeviceFacts& d, int R, bool small) {
+  const size_t room = (size_t)d.smem_optin;
   bool wgmma = false;
 #ifdef KD_HAS_SM90A
-  wgmma = g_verify_path != 1 && major == 9 && minor == 0 && (R > WGMMA_ROWS || !small) &&
+  wgmma = g_verify_path != 1 && d.major == 9 && d.minor == 0 && (R > WGMMA_ROWS || !small) &&
           room >= verify_wgmma_smem_bytes();
 #else
   (void)small;
 #endif
-  if (wgmma) *kind = TileKind::WGMMA;
-  else if (R > 32 && room >= Tile64::SMEM_BYTES) *kind = TileKind::T64;
-  else if (R > 16 && room >= Tile32::SMEM_BYTES) *kind = TileKind::T32;
-  else *kind = TileKind::T16;
-  return 0;
+  if (wgmma) return TileKind::WGMMA;
+  if (R > 32 && room >= Tile64::SMEM_BYTES) return TileKind::T64;
+  if (R > 16 && room >= Tile32::SMEM_BYTES) return TileKind::T32;
+  return TileKind::T16;
 }
 
 // Calls f with a value of the mma.sync tile type of `k` (not WGMMA: that kernel is apart).
@@ -331,18 +321,20 @@ int launch(const Params& p, int B, cudaStream_t st) {
 
 extern "C" int kd_verify_small_launch(int B, int max_seq, int* small) {
   if (B < 0 || max_seq < 0) return KD_ERR_ARGUMENT;
-  bool s = false;
-  const int err = kd::small_launch(B, max_seq, &s);
-  *small = s;
-  return err;
+  const kd::DeviceFacts* d = nullptr;
+  const int err = kd::device_facts(&d);
+  if (err) return err;
+  *small = kd::small_launch(*d, B, max_seq);
+  return 0;
 }
 
 extern "C" int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta, int* keys_per_tile,
                               int* wave_ctas, int* copy_path) {
   if (R < 1 || page_size < 1) return KD_ERR_ARGUMENT;
-  kd::TileKind kind;
-  int err = kd::pick_tile(R, small != 0, &kind);
+  const kd::DeviceFacts* d = nullptr;
+  int err = kd::device_facts(&d);
   if (err) return err;
+  const kd::TileKind kind = kd::pick_tile(*d, R, small != 0);
   *rows_per_cta = kd::tile_rows(kind);
   *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
   *copy_path = 0;
@@ -352,13 +344,11 @@ extern "C" int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta
     return kd::verify_wgmma_wave(R, page_size, wave_ctas);
   }
 #endif
-  int per_sm = 0, dev = 0, sms = 0;
+  int per_sm = 0;
   err = kd::with_tile(kind, [&](auto tile) { return kd::ctas_per_sm<decltype(tile)>(&per_sm); });
   if (err) return err;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  *wave_ctas = sms * (per_sm > 0 ? per_sm : 1);
-  return (int)e;
+  *wave_ctas = d->sms * (per_sm > 0 ? per_sm : 1);
+  return 0;
 }
 
 extern "C" int kd_verify_set_path(int path) {
@@ -373,9 +363,10 @@ extern "C" int kd_verify_set_path(int path) {
 
 extern "C" int kd_verify_merges(int B, int R, int page_size, int num_splits, int small, int* merges) {
   if (B < 0 || R < 1 || page_size < 1 || num_splits < 1) return KD_ERR_ARGUMENT;
-  kd::TileKind kind;
-  const int err = kd::pick_tile(R, small != 0, &kind);
+  const kd::DeviceFacts* d = nullptr;
+  const int err = kd::device_facts(&d);
   if (err) return err;
+  const kd::TileKind kind = kd::pick_tile(*d, R, small != 0);
   *merges = 0;
 #ifdef KD_HAS_SM90A
   if (kind == kd::TileKind::WGMMA) *merges = kd::verify_wgmma_merges(B, R, page_size, num_splits);
@@ -410,12 +401,11 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.part_out = static_cast<__nv_bfloat16*>(partial_out);
   p.part_lse = partial_lse;
   cudaStream_t st = (cudaStream_t)stream;
-  bool small = false;
-  int rc = kd::small_launch(B, (long long)max_pages * page_size, &small);
+  const kd::DeviceFacts* d = nullptr;
+  int rc = kd::device_facts(&d);
   if (rc) return rc;
-  kd::TileKind kind;
-  rc = kd::pick_tile(p.R, small, &kind);
-  if (rc) return rc;
+  const bool small = kd::small_launch(*d, B, (long long)max_pages * page_size);
+  const kd::TileKind kind = kd::pick_tile(*d, p.R, small);
   bool merged = false;  // the splits merged in the attention kernel (clusters on Hopper)
 #ifdef KD_HAS_SM90A
   if (kind == kd::TileKind::WGMMA) rc = kd::launch_verify_wgmma(p, B, st, &merged);
@@ -423,5 +413,10 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
 #endif
     rc = kd::with_tile(kind, [&](auto tile) { return kd::launch<decltype(tile)>(p, B, st); });
   if (rc) return rc;
-  return num_splits > 1 && !merged ? kd::launch_verify_combine(p, B, st) : 0;
+  // The combine as a programmatic dependent after the mma.sync kernel on Hopper only: a
+  // same-run A/B on the H200 (kernels/NOTES.md, session 15) measured it 0.5-1 us faster
+  // there, and mixed after the wgmma kernel (up to 1.7 us slower at batch 1). sm_120 is
+  // not measured, so it keeps the plain launch.
+  if (num_splits == 1 || merged) return 0;
+  return kd::launch_verify_combine(p, B, st, kind != kd::TileKind::WGMMA && d->major == 9);
 }

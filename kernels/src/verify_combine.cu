@@ -16,6 +16,11 @@
 #include "mma.cuh"
 #include "verify_common.cuh"
 
+// 0 builds the combine as a plain launch (for same-run A/Bs against programmatic launch).
+#ifndef KD_PDL
+#define KD_PDL 1
+#endif
+
 namespace kd {
 namespace {
 
@@ -48,6 +53,7 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
   const auto src = [&](int s) {
     return reinterpret_cast<const uint4*>(part_out + (base + (size_t)s * R) * V_DIM + c);
   };
+  pdl_wait();  // the attention kernel's partials
   uint4 pre[ROW_PRE];
 #pragma unroll
   for (int i = 0; i < ROW_PRE; ++i) pre[i] = i < num_splits ? __ldg(src(i)) : make_uint4(0u, 0u, 0u, 0u);
@@ -103,6 +109,7 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   };
   // This warp's first PRE splits, loaded raw before the weights are known, so their
   // latency overlaps the LSE reductions (widened only where used).
+  pdl_wait();  // the attention kernel's partials
   uint2 pre[PRE];
 #pragma unroll
   for (int i = 0; i < PRE; ++i) {
@@ -154,17 +161,31 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   }
 }
 
+// `dependent`: launched as a programmatic dependent of the attention kernel (its CTAs may
+// be scheduled as that kernel drains, and wait in pdl_wait()).
+template <class... Params, class... Args>
+int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, bool dependent, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(32 * WARPS);
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = KD_PDL && dependent ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 }  // namespace
 
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st) {
-  if (p.num_splits < ROW_SPLITS) {
-    const int halves = 2 * B * p.R;
-    combine_half_rows<<<ceil_div(halves, WARPS), 32 * WARPS, 0, st>>>(p.part_out, p.part_lse, p.R,
-                                                                      p.num_splits, halves, p.out, p.lse);
-  } else {
-    combine_quarter_rows<<<dim3(4, p.R, B), 32 * WARPS, 0, st>>>(p.part_out, p.part_lse, p.R, p.num_splits,
-                                                                 p.out, p.lse);
-  }
+int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool dependent) {
+  const int rc = p.num_splits < ROW_SPLITS
+      ? launch(combine_half_rows, dim3(ceil_div(2 * B * p.R, WARPS)), st, dependent, p.part_out,
+               p.part_lse, p.R, p.num_splits, 2 * B * p.R, p.out, p.lse)
+      : launch(combine_quarter_rows, dim3(4, p.R, B), st, dependent, p.part_out, p.part_lse, p.R,
+               p.num_splits, p.out, p.lse);
+  if (rc) return rc;
   KD_LAUNCH_CHECK();
   return 0;
 }

@@ -126,8 +126,9 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
   }
 }
 
-// The combine of a split launch (verify_combine.cu), launched after the attention kernel.
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st);
+// The combine of a split launch (verify_combine.cu), launched after the attention kernel;
+// `dependent`: as its programmatic dependent (the attention kernel triggers it).
+int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool dependent);
 
 // The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):
 // its launcher (`merged`: the splits merged in the kernel, so no combine follows), shared

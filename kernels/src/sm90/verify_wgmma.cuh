@@ -467,11 +467,10 @@ int wgmma_path_wave(int splits, int* ctas) {
   cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
   if (e != cudaSuccess) return (int)e;
   if (cfg.numAttrs == 0) {
-    int dev = 0, sms = 0;
-    e = cudaGetDevice(&dev);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    *ctas = sms;
-    return (int)e;
+    const DeviceFacts* d = nullptr;
+    const int rc = device_facts(&d);
+    if (rc == 0) *ctas = d->sms;
+    return rc;
   }
   int clusters = 0;
   e = cudaOccupancyMaxActiveClusters(&clusters, verify_attention_wgmma_kernel<COPY, MERGE>, &cfg);
