@@ -241,7 +241,6 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 }  // namespace kd
 
 namespace kd {
-
 namespace {
 
 // The tile for R query rows on this device: the wgmma kernel on Hopper (sm_90a in the

@@ -1,5 +1,5 @@
-// The wgmma verify kernel's TMA copy path with 2..8 key splits merged in their cluster
-// through distributed shared memory (no partials, no combine kernel).
+// The wgmma verify kernel's TMA copy path with its key splits (2 by the host's rule) merged
+// in their cluster through distributed shared memory (no partials, no combine kernel).
 #include "verify_wgmma.cuh"
 
 KD_DEFINE_WGMMA_PATH(1, true)
