@@ -439,13 +439,21 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
     if lse is None:
         lse = torch.empty(B, D, H, dtype=torch.float32, device=dev)
     _tensor("lse", lse, torch.float32, (B, D, H), dev)
+    # The kernels copy q, the cache and out in 16-byte vectors: a view at an odd offset
+    # would fault on the GPU, so it is refused here by name.
+    pq, pkv, pout = q.data_ptr(), kv.data_ptr(), out.data_ptr()
+    if (pq | pkv | pout) & 15:
+        for name, ptr in (("q", pq), ("kv_cache", pkv), ("out", pout)):
+            if ptr & 15:
+                raise InputError(f"{name}: expected a 16-byte aligned data pointer, got one {ptr % 16} "
+                                 "bytes past it (a view at an offset?)")
     part_o = part_l = None
     if num_splits > 1:
         part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.bfloat16, device=dev)
         part_l = torch.empty(B, num_splits, R, dtype=torch.float32, device=dev)
-    rc = lib().kd_verify_attention(_ptr(q), _ptr(kv), _ptr(bt), _ptr(seq_lens), _ptr(visibility),
+    rc = lib().kd_verify_attention(pq, pkv, _ptr(bt), _ptr(seq_lens), _ptr(visibility),
                                    bits, B, D, H, page_size, kv.shape[0], bt.shape[1], float(scale),
-                                   num_splits, _ptr(out), _ptr(lse), _ptr(part_o), _ptr(part_l),
+                                   num_splits, pout, _ptr(lse), _ptr(part_o), _ptr(part_l),
                                    _stream(dev))
     _check(rc, "verify_attention")
     return out, lse

@@ -746,6 +746,26 @@ def test_verify_attention_argument_errors(ops):
     with pytest.raises(InputError, match="block_table: expected at least one page a request"):
         ops.verify_attention(case.q, case.kv_cache, case.block_table[:, :0], case.seq_lens, case.visibility,
                              SCALE)
+    # Views off a 16-byte boundary (the kernels copy these in 16-byte vectors) are refused by
+    # name, before a launch could fault; out is left untouched.
+    B, D, H, _ = case.q.shape
+    n = B * D * H * 512
+    big = torch.full((n + 8,), float("nan"), dtype=torch.bfloat16, device=DEV)
+    out = big[4:4 + n].view(B, D, H, 512)
+    with pytest.raises(InputError, match="out: expected a 16-byte aligned data pointer, got one 8 bytes past"):
+        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE,
+                             out=out)
+    assert torch.isnan(big).all()
+    q_big = torch.cat([case.q.flatten(), case.q.flatten()[:4]])
+    with pytest.raises(InputError, match="q: expected a 16-byte aligned data pointer"):
+        ops.verify_attention(q_big[4:].view(case.q.shape), case.kv_cache, case.block_table, case.seq_lens,
+                             case.visibility, SCALE)
+    kv_big = torch.cat([case.kv_cache.flatten(), case.kv_cache.flatten()[:2]])
+    with pytest.raises(InputError, match="kv_cache: expected a 16-byte aligned data pointer, got one 4 bytes"):
+        ops.verify_attention(case.q, kv_big[2:].view(case.kv_cache.shape), case.block_table, case.seq_lens,
+                             case.visibility, SCALE)
+    ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
+    torch.cuda.synchronize()  # no fault left behind
 
 
 # ---------------------------------------------------------------- one round in one graph

@@ -148,6 +148,23 @@ def test_bindings_name_bad_arguments_without_a_gpu():
         ops.verify_attention(torch.zeros(1, 2, 8, 576), None, None, None, None, 0.13)
 
 
+def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib):
+    """q, the cache, out and the partials are copied in 16-byte vectors: a pointer off a
+    16-byte boundary is KD_ERR_ARGUMENT, checked before the device is touched (so no GPU
+    here: fake pointers never reach a kernel)."""
+    f = lib.kd_verify_attention
+    f.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
+                  + [ctypes.c_void_p] * 5)
+    f.restype = ctypes.c_int
+    ok = 1 << 20  # 16-byte aligned fake addresses
+    names = ("q", "kv_cache", "out", "partial_out")
+    for bad in names:
+        ptrs = {n: ok + (8 if n == bad else 0) for n in names}
+        rc = f(ptrs["q"], ptrs["kv_cache"], ok, ok, ok, 0, 2, 3, 8, 64, 10, 4, 0.13, 2,
+               ptrs["out"], ok, ptrs["partial_out"], ok, None)
+        assert rc == 1001, bad  # KD_ERR_ARGUMENT
+
+
 @pytest.mark.parametrize("L", [16, 17, 40])
 def test_kernel_selection_long_blocks(lib, L):
     """L <= 16 orders ties by packed path keys, longer blocks by walking parent pointers."""

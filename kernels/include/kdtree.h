@@ -58,14 +58,15 @@ int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
                            int64_t* bonus, void* stream);
 
 // Tree-verify attention, MLA absorbed form (spec verify_attention.md).
-// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576] (16-byte aligned for
-// the TMA copy on Hopper, else it falls back to cp.async); block_table i32
+// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
 // [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
 // or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
 // lse f32 [B, D, H] (natural log). num_splits (1..128) > 1 splits each request's keys; then
 // partial_out bf16 [B, num_splits, D*H, 512] (each split's normalised output) and
 // partial_lse f32 [B, num_splits, D*H] are the caller's workspace (left unused where
-// kd_verify_merges says the launch merges its splits in the kernel).
+// kd_verify_merges says the launch merges its splits in the kernel). q, kv_cache, out and
+// partial_out are copied in 16-byte vectors, so they must be 16-byte aligned
+// (KD_ERR_ARGUMENT otherwise; every CUDA allocation is, a view at an offset may not be).
 int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
                         const int32_t* seq_lens, const void* visibility, int vis_bits,
                         int B, int D, int H, int page_size, int num_pages, int max_pages, float scale,

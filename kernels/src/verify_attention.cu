@@ -161,19 +161,25 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
       for (int e = 0; e < 4; ++e) s[j][e] = (acc[0][j][e] + acc[1][j][e]) + (acc[2][j][e] + acc[3][j][e]);
 
     // Scale into the log2 domain and mask: keys past the range, and tree keys the
-    // slot does not see (ancestors and itself only).
+    // slot does not see (ancestors and itself only; prefix tiles skip the lookups).
     float mx[2] = {-INFINITY, -INFINITY};
+    const auto scale_keep = [&](auto keep) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < 2; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = k0 + key0 + j * 8 + 2 * t + (e & 1);
-        const int slot = e < 2 ? slot0 : slot1;
-        bool ok = key < k_end;
-        if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
-        s[j][e] = ok ? s[j][e] * p.scale_log2 : -INFINITY;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = keep(k0 + key0 + j * 8 + 2 * t + (e & 1), e < 2 ? slot0 : slot1) ? s[j][e] * p.scale_log2
+                                                                                     : -INFINITY;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
       }
+    };
+    if (k0 + KEYS <= min(P, k_end)) {
+      scale_keep([](int, int) { return true; });
+    } else {
+      with_vis_format(p, [&](auto bits) {
+        scale_keep([&](int key, int slot) { return attends<decltype(bits)::value>(p, b, slot, key, P, k_end); });
+      });
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -318,6 +324,11 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 }  // namespace kd
 
+#ifdef KD_VERIFY_PROFILE
+namespace kd { long long* g_stamps = nullptr; }
+extern "C" void kd_verify_profile_buffer(void* buf) { kd::g_stamps = static_cast<long long*>(buf); }
+#endif
+
 extern "C" int kd_verify_small_launch(int B, int max_seq, int* small) {
   if (B < 0 || max_seq < 0) return KD_ERR_ARGUMENT;
   const kd::DeviceFacts* d = nullptr;
@@ -383,6 +394,8 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
     return KD_ERR_ARGUMENT;
   if (num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   if (num_splits > kd::MAX_SPLITS) return KD_ERR_ARGUMENT;
+  const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
+  if (misaligned(q) || misaligned(kv_cache) || misaligned(out) || misaligned(partial_out)) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
   kd::Params p;
   p.q = static_cast<const __nv_bfloat16*>(q);
@@ -399,6 +412,9 @@ extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const in
   p.lse = lse;
   p.part_out = static_cast<__nv_bfloat16*>(partial_out);
   p.part_lse = partial_lse;
+#ifdef KD_VERIFY_PROFILE
+  p.stamps = kd::g_stamps;
+#endif
   cudaStream_t st = (cudaStream_t)stream;
   const kd::DeviceFacts* d = nullptr;
   int rc = kd::device_facts(&d);

@@ -4,6 +4,9 @@
 // both take a tile of query rows of one request and one split of its keys.
 #pragma once
 #include <cuda_runtime.h>
+
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace kd {
@@ -26,16 +29,56 @@ struct VerifyParams {
   float* lse;
   __nv_bfloat16* part_out;  // a split's normalised O, bf16 like out (see write_rows)
   float* part_lse;
+#ifdef KD_VERIFY_PROFILE
+  long long* stamps;  // profile builds: [64 splits][48] clock stamps of row tile 0, request 0
+#endif
 };
+// Profile builds (-DKD_VERIFY_PROFILE, kd_verify_profile_buffer): the wgmma kernel's CTAs of
+// row tile 0 of request 0 stamp clock64() at its phases (kernels/NOTES.md, session 16).
+#ifdef KD_VERIFY_PROFILE
+#define VSTAMP(i, v)                                                                   \
+  do {                                                                                 \
+    if (p.stamps && blockIdx.x == 0 && blockIdx.z == 0 && blockIdx.y < 64 && (i) < 48) \
+      p.stamps[blockIdx.y * 48 + (i)] = (v);                                           \
+  } while (0)
+__device__ __forceinline__ long long gtimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#else
+#define VSTAMP(i, v) do {} while (0)
+#endif
 
-// Tree slot i sees tree slot j (ancestors and itself).
-__device__ __forceinline__ bool visible(const VerifyParams& p, int b, int i, int j) {
-  if (p.vis_bits) {
-    const int W = (p.D + 31) >> 5;
-    const int32_t* w = static_cast<const int32_t*>(p.vis) + ((size_t)b * p.D + i) * W;
-    return (w[j >> 5] >> (j & 31)) & 1;
+// Whether tree slot `slot` (>= D: a row past the tree) may attend key `key` of a request
+// with prefix P and keys below `end`: prefix keys always, tree keys where the slot's
+// visibility row (BITS: bit-packed, else bytes) marks an ancestor or itself. The row is
+// read at a clamped index whatever the key, and the result combined without branches, so
+// an unrolled mask loop issues all its loads before the first use; with the load behind
+// `key >= P`, the tile holding the tree took ~3.5k cycles more than a prefix tile in the
+// wgmma kernel (H200 clock stamps, kernels/NOTES.md, session 16), and that CTA sets the
+// launch's time.
+template <bool BITS>
+__device__ __forceinline__ bool attends(const VerifyParams& p, int b, int slot, int key, int P, int end) {
+  const int j = key - P;
+  const size_t row = (size_t)b * p.D + min(slot, p.D - 1);
+  const int jc = min(max(j, 0), p.D - 1);
+  int v;
+  if constexpr (BITS) {
+    const int32_t* w = static_cast<const int32_t*>(p.vis) + row * ((p.D + 31) >> 5);
+    v = (w[jc >> 5] >> (jc & 31)) & 1;
+  } else {
+    v = static_cast<const uint8_t*>(p.vis)[row * p.D + jc] != 0;
   }
-  return static_cast<const uint8_t*>(p.vis)[((size_t)b * p.D + i) * p.D + j] != 0;
+  return (key < end) & ((j < 0) | ((slot < p.D) & v));
+}
+
+// Calls f(std::true_type) for a bit-packed visibility, f(std::false_type) for bytes: the
+// mask loops are compiled once per format, with no format branch inside them.
+template <class F>
+__device__ __forceinline__ void with_vis_format(const VerifyParams& p, F f) {
+  if (p.vis_bits) f(std::true_type{});
+  else f(std::false_type{});
 }
 
 // Request b's key count, clamped to its block table so a bad length cannot read past it

@@ -179,6 +179,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  if (tid == 0) { VSTAMP(0, gtimer()); VSTAMP(1, clock64()); }
   const int wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
@@ -216,6 +217,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     __syncthreads();
   }
 
+  if (tid == 0) VSTAMP(2, clock64());
   float o[128];  // wgmma's accumulator order: o[4j + e] is element e of 8-column block j
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -259,6 +261,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       wgmma_wait<0>();
       named_arrive(KV_FREE, THREADS);
       if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
+      if (tid == 0 && it < 10) VSTAMP(3 + 4 * it, clock64());
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < QK_DIM / 16; ++kk) {
@@ -268,20 +271,20 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       }
       wgmma_commit();
       wgmma_wait<0>();
+      if (tid == 0 && it < 10) VSTAMP(4 + 4 * it, clock64());
       reg_fence(s);
       reg_fence(o);
 
       // Mask keys past the range and tree keys the slot does not see (prefix tiles skip
       // the lookups). Raw scores: the scale (> 0) is folded into the exponent's FFMA.
       if (k0 + KEYS > unmasked_end) {
+        with_vis_format(p, [&](auto bits) {
 #pragma unroll
-        for (int i = 0; i < 32; ++i) {
-          const int key = k0 + (i >> 2) * 8 + 2 * t + (i & 1);
-          const int slot = (i & 2) ? slot1 : slot0;
-          bool ok = key < k_end;
-          if (ok && key >= P) ok = slot < p.D && visible(p, b, slot, key - P);
-          if (!ok) s[i] = -INFINITY;
-        }
+          for (int i = 0; i < 32; ++i) {
+            const int key = k0 + (i >> 2) * 8 + 2 * t + (i & 1);
+            if (!attends<decltype(bits)::value>(p, b, (i & 2) ? slot1 : slot0, key, P, k_end)) s[i] = -INFINITY;
+          }
+        });
       }
       // A TMA tile is a whole page slab: its rows past the split's end hold whatever
       // the page holds (NaN in the tests) and P = 0 does not cancel NaN in PV, so they
@@ -343,6 +346,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
       rescale_rows(alpha, o_at);
       fence_proxy_async();
+      if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
       named_arrive(P_READY, THREADS);
     } else {
       wgmma_wait<0>();  // this warpgroup's PV(it-1)
@@ -369,6 +373,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
         cp_async_commit();
       }
+      if (tid == 128 && it < 10) VSTAMP(6 + 4 * it, clock64());
       named_sync(P_READY, THREADS);
       // S(it) has read the tile, so this passes at once; it makes the copy visible to
       // this warpgroup's PV as well.
@@ -391,6 +396,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   }
   wgmma_wait<0>();
   reg_fence(o);
+  if (tid == 0) VSTAMP(43, clock64());
   cp_async_wait<0>();
   // No CTA of a cluster leaves while another may still arrive on its barriers.
   if constexpr (COPY > 1) cluster_sync();
@@ -421,6 +427,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int r = rbase + g;
   const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
   write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, o_at);
+  if (tid == 0) { VSTAMP(46, clock64()); VSTAMP(47, gtimer()); }
 #else
   __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
 #endif
