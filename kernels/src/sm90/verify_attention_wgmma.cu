@@ -2,9 +2,10 @@
 // takes, the cache's tensor map for the TMA paths, and the wave the host sizes splits by.
 //
 // TMA needs a page size that is a multiple of 64 (a 64-key tile is then one slab of one
-// page), a 16-byte aligned cache and the driver's tensor-map encoder, fetched through
-// the runtime (cudaGetDriverEntryPointByVersion: nothing links libcuda). Otherwise, or
-// when the caller forces it (kd_verify_set_path(2)), warpgroup 1 copies by cp.async.
+// page), a 16-byte aligned cache (kd_verify_attention refuses any other) and the driver's
+// tensor-map encoder, fetched through the runtime (cudaGetDriverEntryPointByVersion:
+// nothing links libcuda). Otherwise, or when the caller forces it (kd_verify_set_path(2)),
+// warpgroup 1 copies by cp.async.
 // Clusters: multicast to pairs of row tiles pays only where many row tiles share each
 // key tile (H200, same-run A/B, B 16: +1-2% of the roofline at 16-64 row tiles, -2 to -8%
 // at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
@@ -137,8 +138,7 @@ bool verify_wgmma_merges(int B, int R, int page_size, int num_splits) {
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged) {
   CUtensorMap map = {};
   int path = copy_path(p.R, p.page_size, (int64_t)p.num_pages * p.page_size);
-  if (path != COPY_CP_ASYNC && (reinterpret_cast<uintptr_t>(p.kv) % 16 != 0 || !kv_map(p, &map)))
-    path = COPY_CP_ASYNC;
+  if (path != COPY_CP_ASYNC && !kv_map(p, &map)) path = COPY_CP_ASYNC;
   *merged = path != COPY_CP_ASYNC && verify_wgmma_merges(B, p.R, p.page_size, p.num_splits);
   if (*merged) return launch_verify_wgmma_path<1, true>(p, map, B, st);
   switch (path) {
