@@ -151,11 +151,11 @@ def test_bindings_name_bad_arguments_without_a_gpu():
 def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib):
     """q, the cache, out and the partials are copied in 16-byte vectors: a pointer off a
     16-byte boundary is KD_ERR_ARGUMENT, checked before the device is touched (so no GPU
-    here: fake pointers never reach a kernel)."""
-    f = lib.kd_verify_attention
-    f.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int] * 7 + [ctypes.c_float, ctypes.c_int]
-                  + [ctypes.c_void_p] * 5)
-    f.restype = ctypes.c_int
+    here: fake pointers never reach a kernel). Called through the bindings' declared ABI
+    (`lib` has built the library they load)."""
+    from kdtree import ops
+
+    f = ops.lib().kd_verify_attention
     ok = 1 << 20  # 16-byte aligned fake addresses
     names = ("q", "kv_cache", "out", "partial_out")
     for bad in names:
