@@ -2,21 +2,30 @@
 
 Generated (as FlashInfer's JIT does) so that the arch list, flags and output
 directory are configurable; ninja rebuilds only what changed, headers included
-(nvcc writes depfiles).
+(nvcc writes depfiles). Without ninja the same commands run directly.
+
+The CUDA sources travel inside the installed package (``kdtree/_kernels``, copied
+there by setup.py); in a checkout they are the repository's ``kernels/``.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import hashlib
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 
-from .checks import InputError
+try:
+    from .checks import InputError
+except ImportError:  # loaded alone by setup.py, outside the package
+    InputError = ValueError
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-KERNELS = ROOT / "kernels"
-DEFAULT_BUILD_DIR = ROOT / "build" / "kernels"
+_PACKAGED = pathlib.Path(__file__).resolve().parent / "_kernels"
+KERNELS = _PACKAGED if _PACKAGED.is_dir() else pathlib.Path(__file__).resolve().parent.parent / "kernels"
+DEFAULT_BUILD_DIR = pathlib.Path("build") / "kernels"
 # sm_90a: Hopper with wgmma/setmaxnreg; sm_120: RTX PRO 6000 Blackwell; compute_90: PTX fallback.
 DEFAULT_ARCHS = ("sm_90a", "sm_120", "compute_90")
 MIN_NVCC = (12, 8)  # first release that knows sm_120
@@ -61,6 +70,15 @@ ARCH_FOLDERS = {"sm90": ("sm_90a",)}
 
 def sources() -> list[pathlib.Path]:
     return sorted((KERNELS / "src").rglob("*.cu"))
+
+
+def source_hash(archs=DEFAULT_ARCHS, extra_flags=()) -> str:
+    """What a build depends on: every kernel source and header, the archs and the flags."""
+    h = hashlib.sha256(repr((tuple(archs), tuple(extra_flags))).encode())
+    for f in sorted(p for p in KERNELS.rglob("*") if p.is_file() and p.suffix in (".cu", ".cuh", ".h")):
+        h.update(f.relative_to(KERNELS).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _source_archs(src: pathlib.Path, archs) -> tuple:
@@ -123,11 +141,33 @@ def build(build_dir=DEFAULT_BUILD_DIR, archs=DEFAULT_ARCHS, jobs: int | None = N
     if ver < MIN_NVCC:
         raise RuntimeError(f"nvcc {ver[0]}.{ver[1]} at {nvcc} is too old: need "
                            f">= {MIN_NVCC[0]}.{MIN_NVCC[1]} (CUDA 13 recommended) for sm_120")
-    write_build_ninja(build_dir, archs, extra_flags, nvcc)
+    path = write_build_ninja(build_dir, archs, extra_flags, nvcc)
     ninja = shutil.which("ninja")
-    if not ninja:
-        raise RuntimeError("ninja not found: pip install ninja")
-    cmd = [ninja, "-C", str(build_dir)] + (["-j", str(jobs)] if jobs else []) + (["-v"] if verbose else [])
-    subprocess.run(cmd, check=True)
+    if ninja:
+        cmd = [ninja, "-C", str(build_dir)] + (["-j", str(jobs)] if jobs else []) + (["-v"] if verbose else [])
+        subprocess.run(cmd, check=True)
+    else:
+        _run_without_ninja(path, jobs)
     return pathlib.Path(build_dir) / LIB_NAME
+
+
+def _run_without_ninja(ninja_file: pathlib.Path, jobs: int | None) -> None:
+    """Runs build.ninja's commands in order (objects in parallel, then the link): a full
+    build each time, for machines without ninja."""
+    text = ninja_file.read_text()
+    var = dict(re.findall(r"^(nvcc|flags|gencode) = (.*)$", text, re.M))
+    cwd = ninja_file.parent
+    compiles, link = [], None
+    for m in re.finditer(r"^build (\S+): (cu|link) (.*)\n((?:  gencode = .*\n)?)", text, re.M):
+        out, rule, ins, own = m.groups()
+        gencode = own.split("=", 1)[1].strip() if own else var["gencode"]
+        if rule == "cu":
+            (cwd / out).parent.mkdir(parents=True, exist_ok=True)
+            compiles.append(f"{var['nvcc']} {var['flags']} {gencode} -c {ins} -o {out}")
+        else:
+            link = f"{var['nvcc']} -shared {var['flags']} {gencode} {ins} -o {out}"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        for done in [pool.submit(subprocess.run, shlex.split(c), cwd=cwd, check=True) for c in compiles]:
+            done.result()  # raises CalledProcessError for a failed compile
+    subprocess.run(shlex.split(link), cwd=cwd, check=True)
 

@@ -6,7 +6,6 @@ import json
 import pathlib
 import sys
 
-from .provenance import ROOT
 
 DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
     "tree_build": {"batches": [1, 4, 16], "budgets": [16, 64, 256], "L": 15, "vocab": 32000, "seed": 0,
@@ -46,30 +45,30 @@ def _require_tests(path):
 
 def cmd_sweep(args):
     if args.pin_gpu and not args.cpu_only:
-        from .gpu import claim_gpu
+        from .harness.gpu import claim_gpu
         claim_gpu()
-    from .gpu import cuda_available
+    from .harness.gpu import cuda_available
     if args.require_tests:
         _require_tests(args.require_tests)
     if args.library:
         import os
         os.environ["KDTREE_LIB"] = str(pathlib.Path(args.library).resolve())
     if args.which == "tree-build":
-        from .sweeps import tree_build as m
+        from .harness.sweeps import tree_build as m
         df = m.run(_cfg(args, "tree_build"), args.out, gpu=None if not args.cpu_only else False,
                    library=args.library)
     elif args.which == "tree-accept":
-        from .sweeps import tree_accept as m
+        from .harness.sweeps import tree_accept as m
         df = m.run(_cfg(args, "tree_accept"), args.out, gpu=None if not args.cpu_only else False,
                    library=args.library)
     else:
         if not cuda_available():
             sys.exit(f"sweep {args.which}: needs a CUDA device (none found); the pipeline skips it on CPU")
         if args.which == "round":
-            from .sweeps import round as m
+            from .harness.sweeps import round as m
             df = m.run(_cfg(args, "round"), args.out, library=args.library)
         else:
-            from .sweeps import verify_attn as m
+            from .harness.sweeps import verify_attn as m
             df = m.run(_cfg(args, "verify_attn"), args.out, library=args.library)
     bad = df[df.status != "ok"] if "status" in df else df.iloc[0:0]
     print(f"{args.which}: {len(df)} rows -> {args.out}"
@@ -78,22 +77,22 @@ def cmd_sweep(args):
 
 def cmd_test_gpu(args):
     if args.pin_gpu:
-        from .gpu import claim_gpu
+        from .harness.gpu import claim_gpu
         claim_gpu()
-    from .gpu_tests import run_gpu_tests
+    from .tools.gpu_tests import run_gpu_tests
     sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args))
 
 
 def cmd_figures(args):
-    from .figures import render_all
+    from .harness.figures import render_all
     skipped = render_all(args.results, args.out, args.kernel_times)
     for s in skipped:
         print(f"figures: skipped {s}")
 
 
 def cmd_report(args):
-    from .figures import render_all
-    from .report import render
+    from .harness.figures import render_all
+    from .harness.report import render
     skipped = render_all(args.results, args.figures, args.kernel_times) if args.figures else []
     render(args.results, args.out, skipped + list(args.note or []), args.kernel_times)
     print(f"report -> {args.out}")
@@ -101,7 +100,7 @@ def cmd_report(args):
 
 def cmd_gather(args):
     import pandas as pd
-    from .results import write_parquet_atomic
+    from .harness.results import write_parquet_atomic
     frames = [pd.read_parquet(p) for p in args.shards]
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     write_parquet_atomic(df, args.out)
@@ -109,7 +108,7 @@ def cmd_gather(args):
 
 
 def cmd_check(args):
-    from .deploy_checks import check_container, check_slurm_plan
+    from .tools.deploy_checks import check_container, check_slurm_plan
     if args.what == "container":
         problems = check_container(*args.paths)
     else:
@@ -122,12 +121,12 @@ def cmd_check(args):
 
 
 def cmd_probe(args):
-    from .probe import main as probe_main
+    from .probe.client import main as probe_main
     sys.exit(probe_main(args))
 
 
 def cmd_info(args):
-    from .gpu import cuda_available
+    from .harness.gpu import cuda_available
     import torch
     print(f"torch {torch.__version__}; CUDA device: "
           f"{torch.cuda.get_device_name(0) if cuda_available() else 'none'}")
@@ -137,7 +136,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kdtree", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="build libkdtree with ninja")
-    b.add_argument("--build-dir", default=ROOT / "build" / "kernels")
+    b.add_argument("--build-dir", default="build/kernels")
     b.add_argument("--archs", nargs="*", help="e.g. sm_90a sm_120 compute_90")
     b.add_argument("--jobs", type=int)
     b.add_argument("--extra-flags", help="more nvcc flags, one string (e.g. '-Xptxas -v')")
@@ -186,9 +185,22 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# What each optional dependency comes with (pyproject.toml's extras).
+EXTRAS = {"pandas": "harness", "pyarrow": "harness", "seaborn": "harness", "matplotlib": "harness",
+          "tqdm": "harness", "httpx": "probe", "yaml": "workflow", "jsonschema": "workflow",
+          "snakemake": "workflow"}
+
+
 def main(argv=None):
     args = parser().parse_args(argv)
-    args.fn(args)
+    try:
+        args.fn(args)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        sys.exit(f"kdtree {args.cmd}: needs {e.name}, which comes with the {extra} extra: "
+                 f"pip install 'kdtree[{extra}]'")
 
 
 if __name__ == "__main__":

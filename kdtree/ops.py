@@ -1,61 +1,32 @@
-"""Python bindings of libkdtree (ctypes over its C ABI, kernels/include/kdtree.h).
+"""The three ops over libkdtree: tree build, tree-verify attention, tree accept.
 
-ctypes keeps the library independent of torch's C++ ABI: one build serves torch
-2.11 and 2.13 alike. Each op checks shape, dtype, device and contiguity and names
-the wrong argument; it then only allocates its outputs through torch (graph-safe)
-and launches on torch's current stream: no host synchronisation, so a sequence
-of ops can be captured in a CUDA graph. Sizes that depend on data (the padded
-tree width D) must be passed in for capture; a convenience default that reads
-them from the device synchronises, and says so.
+Each op checks shape, dtype, device and contiguity and names the wrong argument; it then
+only allocates its outputs through torch (graph-safe) and launches on torch's current
+stream: no host synchronisation, so a sequence of ops can be captured in a CUDA graph.
+Every op returns a named result, and takes ``out=`` of that same type to write into
+preallocated (static) buffers. Sizes that depend on data (the padded tree width D) must
+be passed in for capture; a convenience default that reads them from the device
+synchronises, and says so.
+
+The library is called through ctypes (loader.py), so one build serves any torch >= 2.11.
 """
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
-import os
-import pathlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from .attention import LATENT_DIM, QK_DIM
-from .build import DEFAULT_BUILD_DIR, LIB_NAME
 from .checks import InputError
-from .tree import MAX_BUDGET
+from .loader import KdVerifyPlan, lib
+from .reference.attention import LATENT_DIM, QK_DIM
+from .reference.tree import MAX_BUDGET
 
 STATUS_BUDGET_CLAMPED = 1
 STATUS_NAN_INPUT = 2
 STATUS_WARP_LOOP = 4   # information: the request's rows were not certified for threshold selection
-_P = ctypes.c_void_p
-_I = ctypes.c_int
-
-
-def library_path() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("KDTREE_LIB", DEFAULT_BUILD_DIR / LIB_NAME))
-
-
-@functools.lru_cache(maxsize=1)
-def lib() -> ctypes.CDLL:
-    path = library_path()
-    if not path.exists():
-        raise RuntimeError(f"{path} not found: build it with `python -m kdtree build` "
-                           "(or set KDTREE_LIB)")
-    so = ctypes.CDLL(str(path))
-    so.kd_build_trees.argtypes = [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P]
-    so.kd_tree_accept.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
-    so.kd_tree_accept_parents.argtypes = [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P]
-    so.kd_verify_attention.argtypes = ([_P] * 5 + [_I] * 7 + [ctypes.c_float, _I] + [_P] * 4 + [_P])
-    so.kd_verify_small_launch.argtypes = [_I, _I, ctypes.POINTER(_I)]
-    so.kd_verify_tile.argtypes = [_I, _I, _I] + [ctypes.POINTER(_I)] * 4
-    so.kd_build_set_smem_limit.argtypes = [_I]
-    so.kd_verify_set_path.argtypes = [_I]
-    so.kd_verify_merges.argtypes = [_I] * 5 + [ctypes.POINTER(_I)]
-    for f in (so.kd_build_trees, so.kd_tree_accept, so.kd_tree_accept_parents,
-              so.kd_verify_attention, so.kd_verify_tile, so.kd_verify_small_launch,
-              so.kd_build_set_smem_limit, so.kd_verify_set_path, so.kd_verify_merges):
-        f.restype = _I
-    return so
 
 
 def _ptr(t: torch.Tensor | None):
@@ -131,8 +102,16 @@ def _explain(name, t, dtype, shape, device):
 
 # ---------------------------------------------------------------- tree build
 @dataclass
-class GpuTrees:
-    """Outputs of build_trees_gpu; the layout of kdtree.tree.TreeBatch plus a status word."""
+class TreeBuildResult:
+    """tree_build's outputs, padded to D slots a request (the layout of
+    kdtree.reference.TreeBatch) plus a status word.
+
+    ``node_counts i32 [B]``; ``tokens``, ``depths``, ``positions``, ``next_token``,
+    ``next_sibling`` i64 ``[B, D]``; ``parents i32 [B, D]``; ``visibility_bits i32
+    [B, D, ceil(D/32)]`` (bit j%32 of word j//32: slot i sees slot j); ``visibility bool
+    [B, D, D]`` only when asked for (``dense_visibility=True``), else None; ``status i32
+    [B]``: STATUS_* bits, 0 when the request built normally.
+    """
 
     node_counts: torch.Tensor
     tokens: torch.Tensor
@@ -141,11 +120,27 @@ class GpuTrees:
     positions: torch.Tensor
     next_token: torch.Tensor
     next_sibling: torch.Tensor
+    visibility_bits: torch.Tensor
     visibility: torch.Tensor | None
-    visibility_bits: torch.Tensor | None
-    status: torch.Tensor  # int32 [B]: STATUS_* bits, 0 when the request built normally
-    # What build_trees_gpu last checked these outputs for (see _OUT_FIELDS there).
+    status: torch.Tensor
+    # What tree_build last checked these outputs for (see _OUT_FIELDS there).
     _checked: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def empty(cls, B: int, D: int, device, dense_visibility: bool = False) -> "TreeBuildResult":
+        """Uninitialised outputs for B requests of D slots: static buffers for ``out=``."""
+        dev = torch.device(device)
+        W = (D + 31) // 32
+        i64 = dict(dtype=torch.int64, device=dev)
+        return cls(
+            node_counts=torch.empty(B, dtype=torch.int32, device=dev),
+            tokens=torch.empty(B, D, **i64), depths=torch.empty(B, D, **i64),
+            parents=torch.empty(B, D, dtype=torch.int32, device=dev),
+            positions=torch.empty(B, D, **i64), next_token=torch.empty(B, D, **i64),
+            next_sibling=torch.empty(B, D, **i64),
+            visibility_bits=torch.empty(B, D, W, dtype=torch.int32, device=dev),
+            visibility=torch.empty(B, D, D, dtype=torch.bool, device=dev) if dense_visibility else None,
+            status=torch.empty(B, dtype=torch.int32, device=dev))
 
     def raise_on_status(self) -> None:
         """Synchronises. Raises for a request whose input was refused (NaN) or clamped."""
@@ -158,15 +153,19 @@ class GpuTrees:
             raise InputError(f"budgets[{b}]: exceeds d_max - 1; the tree was cut to d_max - 1 nodes")
 
 
-def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=None,
-                    d_max: int | None = None, visibility: bool = True,
-                    visibility_bits: bool = True, out: GpuTrees | None = None) -> GpuTrees:
-    """Best-first build of B trees on the GPU, byte-identical to kdtree.tree.build_trees.
+def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=None,
+               d_max: int | None = None, dense_visibility: bool = False,
+               out: TreeBuildResult | None = None) -> TreeBuildResult:
+    """Best-first build of B draft trees on the GPU, byte-identical to
+    ``kdtree.reference.tree_build`` (the heapq build of the spec, ties included).
 
-    ``top_logprobs f32 [B, L, K]``, ``top_ids i64 [B, L, K]``, ``budgets i32 [B]``,
-    ``seq_lens i32 [B]`` (prefix lengths for positions), ``root_tokens i64 [B]``.
-    ``d_max`` (padded slots) defaults to ``max(budgets) + 1``, which synchronises.
-    ``out`` reuses preallocated outputs (static buffers for CUDA graphs).
+    ``top_logprobs f32 [B, L, K]`` (rows sorted descending), ``top_ids i64 [B, L, K]``,
+    ``budgets i32 [B]`` (nodes a request, 0..1024), ``seq_lens i32 [B]`` (prefix lengths for
+    ``positions``; zeros if None), ``root_tokens i64 [B]`` (slot 0's token; 0 if None).
+    ``d_max`` (slots a request, padded) defaults to ``max(budgets) + 1``, which synchronises:
+    pass it inside a captured decode loop. The bit-packed visibility is always written; the
+    dense bool mask only with ``dense_visibility=True`` (it costs build time, and the verify
+    op reads the bits). ``out`` reuses a ``TreeBuildResult`` (static buffers).
     """
     lp = _tensor("top_logprobs", top_logprobs, torch.float32, (None, None, None))
     dev = lp.device
@@ -181,12 +180,14 @@ def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=N
         raise InputError(f"top_logprobs: expected L <= 2047 positions, got {L}")
     if d_max is None:
         d_max = int(budgets.max().clamp(min=0)) + 1 if B else 1  # host sync, documented
-    if not 1 <= d_max <= MAX_BUDGET + 1:
-        raise InputError(f"d_max: expected 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max}")
+    if not isinstance(d_max, int) or not 1 <= d_max <= MAX_BUDGET + 1:
+        raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
     D = d_max
     fresh = out is None
     if fresh:
-        out = _alloc_trees(B, D, dev, visibility, visibility_bits)
+        out = TreeBuildResult.empty(B, D, dev, dense_visibility)
+    elif not isinstance(out, TreeBuildResult):
+        raise InputError(f"out: expected a TreeBuildResult (TreeBuildResult.empty), got {type(out).__name__}")
     fields = tuple(getattr(out, name) for name in _OUT_FIELDS)
     ptrs = tuple(map(_ptr, fields))
     # Reused outputs (the static buffers of a decode loop) are checked in full once per
@@ -203,7 +204,7 @@ def build_trees_gpu(top_logprobs, top_ids, budgets, seq_lens=None, root_tokens=N
     rc = lib().kd_build_trees(
         _ptr(lp), _ptr(top_ids), _ptr(budgets), _ptr(seq_lens), _ptr(root_tokens), B, L, K, D,
         *ptrs, _stream(dev))
-    _check(rc, "build_trees_gpu")
+    _check(rc, "tree_build")
     return out
 
 
@@ -212,211 +213,206 @@ _OUT_FIELDS = ("node_counts", "tokens", "depths", "parents", "positions", "next_
                "next_sibling", "visibility", "visibility_bits", "status")
 
 
-def _alloc_trees(B, D, dev, visibility=True, visibility_bits=True) -> GpuTrees:
-    W = (D + 31) // 32
-    i64 = dict(dtype=torch.int64, device=dev)
-    return GpuTrees(
-        node_counts=torch.empty(B, dtype=torch.int32, device=dev),
-        tokens=torch.empty(B, D, **i64), depths=torch.empty(B, D, **i64),
-        parents=torch.empty(B, D, dtype=torch.int32, device=dev),
-        positions=torch.empty(B, D, **i64), next_token=torch.empty(B, D, **i64),
-        next_sibling=torch.empty(B, D, **i64),
-        visibility=torch.empty(B, D, D, dtype=torch.bool, device=dev) if visibility else None,
-        visibility_bits=torch.empty(B, D, W, dtype=torch.int32, device=dev) if visibility_bits else None,
-        status=torch.empty(B, dtype=torch.int32, device=dev))
-
-
-def _check_trees_out(out: GpuTrees, B, D, dev) -> None:
+def _check_trees_out(out: TreeBuildResult, B, D, dev) -> None:
     for name, dtype, shape in (("node_counts", torch.int32, (B,)), ("tokens", torch.int64, (B, D)),
                                ("depths", torch.int64, (B, D)), ("parents", torch.int32, (B, D)),
                                ("positions", torch.int64, (B, D)), ("next_token", torch.int64, (B, D)),
-                               ("next_sibling", torch.int64, (B, D)), ("status", torch.int32, (B,))):
+                               ("next_sibling", torch.int64, (B, D)), ("status", torch.int32, (B,)),
+                               ("visibility_bits", torch.int32, (B, D, (D + 31) // 32))):
         _tensor(f"out.{name}", getattr(out, name), dtype, shape, dev)
     if out.visibility is not None:
         _tensor("out.visibility", out.visibility, torch.bool, (B, D, D), dev)
-    if out.visibility_bits is not None:
-        _tensor("out.visibility_bits", out.visibility_bits, torch.int32, (B, D, (D + 31) // 32), dev)
 
 
 # ---------------------------------------------------------------- accept
-def tree_accept(candidates, next_token, next_sibling, target, max_depth: int):
-    """Greedy walk per request: ``(accept_index i32 [B, max_depth+1], accept_len i32 [B], bonus i64 [B])``."""
-    c = _tensor("candidates", candidates, torch.int64, (None, None))
-    dev = c.device
-    B, D = c.shape
-    for name, t in (("next_token", next_token), ("next_sibling", next_sibling), ("target", target)):
-        _tensor(name, t, torch.int64, (B, D), dev)
-    accept_index, accept_len, bonus = _accept_outputs(B, max_depth, dev, None)
-    rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), _ptr(target), B, D,
-                              max_depth, _ptr(accept_index), _ptr(accept_len), _ptr(bonus),
-                              _stream(dev))
-    _check(rc, "tree_accept")
-    return accept_index, accept_len, bonus
+class TreeAcceptResult(NamedTuple):
+    """tree_accept's outputs: ``accept_index i32 [B, max_depth + 1]`` (global slot ids
+    ``b * D + i`` of the accepted path from the root, -1 padded), ``accept_len i32 [B]``
+    (draft nodes accepted, root excluded), ``bonus i64 [B]`` (the target's token at the
+    last accepted slot: the next root)."""
+
+    accept_index: torch.Tensor
+    accept_len: torch.Tensor
+    bonus: torch.Tensor
+
+    @classmethod
+    def empty(cls, B: int, max_depth: int, device) -> "TreeAcceptResult":
+        dev = torch.device(device)
+        return cls(torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev),
+                   torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
 
 
 ACCEPT_PARENTS_MAX_SLOTS = 4096  # kd_tree_accept_parents keeps 12 bytes a slot in shared memory
 
 
-def tree_accept_parents(candidates, parents, node_counts, target, max_depth: int, out=None):
-    """Greedy accept from parent indices (the build's ``parents`` and ``node_counts``):
-    ``tree_accept``'s result on trees whose lists give children in ascending slot order.
+def tree_accept(tokens, target, max_depth: int, *, parents=None, node_counts=None, next_token=None,
+                next_sibling=None, out: TreeAcceptResult | None = None) -> TreeAcceptResult:
+    """Greedy accept of B trees from the target's argmax ``target i64 [B, D]``.
 
-    Every slot tests its own token against its parent's target at once, so the time does
-    not grow with the siblings a list walk passes over. Nodes are slots ``1..n``
-    (``n = node_counts[b]``); a slot outside them, or whose parent is not in ``[0, i)``,
-    is not in the tree. ``out``: preallocated ``(accept_index, accept_len, bonus)``.
+    ``tokens i64 [B, D]`` (slot 0 the root). The tree comes in one of two forms:
+    - ``parents i32 [B, D]`` and ``node_counts i32 [B]`` (the build's): every slot tests its
+      own token against its parent's target at once, so the time does not grow with the
+      siblings a walk passes over (D <= 4096). Nodes are slots ``1..n``; a slot outside
+      them, or whose parent is not in ``[0, i)``, is not in the tree.
+    - ``next_token`` and ``next_sibling`` i64 ``[B, D]`` (left-child / right-sibling lists,
+      SGLang's ``verify_tree_greedy`` inputs): a walk, any D.
+    Both give the same result on the build's trees. ``max_depth``: the draft length L.
     """
-    c = _tensor("candidates", candidates, torch.int64, (None, None))
+    by_parents = parents is not None and node_counts is not None
+    if by_parents == (next_token is not None and next_sibling is not None) or \
+            (parents is None) != (node_counts is None) or (next_token is None) != (next_sibling is None):
+        raise InputError("tree_accept: expected the tree as parents= and node_counts=, or as next_token= "
+                         "and next_sibling=, not both and not neither")
+    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
+        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
+    c = _tensor("tokens", tokens, torch.int64, (None, None))
     dev = c.device
     B, D = c.shape
-    _tensor("parents", parents, torch.int32, (B, D), dev)
-    _tensor("node_counts", node_counts, torch.int32, (B,), dev)
     _tensor("target", target, torch.int64, (B, D), dev)
-    if D > ACCEPT_PARENTS_MAX_SLOTS:
-        raise InputError(f"candidates: expected at most {ACCEPT_PARENTS_MAX_SLOTS} slots a request "
-                         f"for the parents form, got D = {D} (tree_accept walks lists of any width)")
-    accept_index, accept_len, bonus = _accept_outputs(B, max_depth, dev, out)
-    rc = lib().kd_tree_accept_parents(_ptr(c), _ptr(parents), _ptr(node_counts), _ptr(target), B,
-                                      D, max_depth, _ptr(accept_index), _ptr(accept_len),
-                                      _ptr(bonus), _stream(dev))
-    _check(rc, "tree_accept_parents")
-    return accept_index, accept_len, bonus
-
-
-def _accept_outputs(B, max_depth, dev, out):
-    if not isinstance(max_depth, int) or max_depth < 0:
-        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
     if out is None:
-        return (torch.empty(B, max_depth + 1, dtype=torch.int32, device=dev),
-                torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int64, device=dev))
-    if not isinstance(out, (tuple, list)) or len(out) != 3:
-        raise InputError("out: expected a tuple (accept_index, accept_len, bonus)")
-    return (_tensor("out[0] (accept_index)", out[0], torch.int32, (B, max_depth + 1), dev),
-            _tensor("out[1] (accept_len)", out[1], torch.int32, (B,), dev),
-            _tensor("out[2] (bonus)", out[2], torch.int64, (B,), dev))
+        out = TreeAcceptResult.empty(B, max_depth, dev)
+    elif not isinstance(out, tuple) or len(out) != 3:
+        raise InputError("out: expected a TreeAcceptResult (accept_index, accept_len, bonus)")
+    else:
+        _tensor("out.accept_index", out[0], torch.int32, (B, max_depth + 1), dev)
+        _tensor("out.accept_len", out[1], torch.int32, (B,), dev)
+        _tensor("out.bonus", out[2], torch.int64, (B,), dev)
+        out = TreeAcceptResult(*out)
+    if by_parents:
+        _tensor("parents", parents, torch.int32, (B, D), dev)
+        _tensor("node_counts", node_counts, torch.int32, (B,), dev)
+        if D > ACCEPT_PARENTS_MAX_SLOTS:
+            raise InputError(f"tokens: expected at most {ACCEPT_PARENTS_MAX_SLOTS} slots a request with "
+                             f"parents=, got D = {D} (next_token=/next_sibling= take any width)")
+        rc = lib().kd_tree_accept_parents(_ptr(c), _ptr(parents), _ptr(node_counts), _ptr(target), B, D,
+                                          max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]), _stream(dev))
+    else:
+        _tensor("next_token", next_token, torch.int64, (B, D), dev)
+        _tensor("next_sibling", next_sibling, torch.int64, (B, D), dev)
+        rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), _ptr(target), B, D,
+                                  max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]), _stream(dev))
+    _check(rc, "tree_accept")
+    return out
 
 
 # ---------------------------------------------------------------- attention
 MAX_SPLITS = 128
+# Per-call kernel choice (KD_VERIFY_* in kdtree.h): "auto" is the device's best (wgmma on
+# Hopper, mma.sync elsewhere); the others force a path, for tests and same-run A/Bs.
+VERIFY_KERNELS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
+_KERNEL_NAMES = {0: "mma_sync", 1: "wgmma"}
+_COPY_NAMES = {0: "cp_async", 1: "tma", 2: "tma_x2"}
+_MERGE_NAMES = {0: "none", 1: "cluster", 2: "combine_kernel"}
 
 
-@functools.lru_cache(maxsize=256)
-def _small_launch(index: int, B: int, max_seq: int) -> bool:
-    """Whether B requests over max_seq keys make a small launch on device `index` (the
-    kernel library's rule: its 32-key mma.sync tiles would not reach every SM), where one
-    row tile of a small tree runs the mma.sync kernel, not the wgmma kernel."""
-    small = _I()
-    with torch.cuda.device(index):
-        _check(lib().kd_verify_small_launch(B, max_seq, ctypes.byref(small)), "kd_verify_small_launch")
-    return bool(small.value)
+class TreeVerifyResult(NamedTuple):
+    """tree_verify's outputs: ``out bf16 [B, D, H, 512]`` and ``lse f32 [B, D, H]``
+    (natural log, for merging with another partial attention)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def empty(cls, B: int, D: int, H: int, device) -> "TreeVerifyResult":
+        dev = torch.device(device)
+        return cls(torch.empty(B, D, H, LATENT_DIM, dtype=torch.bfloat16, device=dev),
+                   torch.empty(B, D, H, dtype=torch.float32, device=dev))
 
 
-def _launch_is_small(device, B: int | None, max_seq: int | None) -> bool:
-    # No launch given: one that fills the GPU.
-    if B is None or max_seq is None:
-        return False
-    return _small_launch(torch.device(device).index or 0, B, max_seq)
+class TreeVerifyPlan:
+    """Tree-verify attention planned once for a shape, then run many times (FlashInfer's
+    plan/run): the kernel, key copy, splits and split merge are chosen by the library's one
+    heuristics table (kernels/src/verify_plan.cu) when the plan is made, on the current (or
+    given) CUDA device, and the split workspace is allocated then.
 
-
-def _launch_facts(device, R: int, page_size: int, B: int | None, max_seq: int | None):
-    """`_device_facts` for the kernel a launch of B requests over max_seq keys takes."""
-    small = _launch_is_small(device, B, max_seq)
-    return _device_facts(torch.device(device).index or 0, R, page_size, small)
-
-
-@functools.lru_cache(maxsize=64)
-def _device_facts(index: int, R: int, page_size: int = 64, small: bool = False):
-    """(query rows per CTA, keys per tile, CTAs one wave holds, wgmma copy path) for R rows,
-    this page size and launch size (`_small_launch`) on device `index` (copy path: 0
-    cp.async, 1 TMA, 2 TMA to pairs)."""
-    rows, keys, wave, copy = _I(), _I(), _I(), _I()
-    with torch.cuda.device(index):
-        _check(lib().kd_verify_tile(R, page_size, int(small), ctypes.byref(rows), ctypes.byref(keys),
-                                    ctypes.byref(wave), ctypes.byref(copy)), "kd_verify_tile")
-    return rows.value, keys.value, max(1, wave.value), copy.value
-
-
-# "wgmma_cp_async": the wgmma kernel with its cp.async key copy even where TMA fits (the
-# path of page sizes that are not multiples of 64); "wgmma_combine": key splits merged by
-# the combine kernel even where they could merge in a cluster. For tests and same-run A/Bs.
-VERIFY_PATHS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
-
-
-def set_verify_path(path: str) -> str:
-    """Pick the verify kernel: "auto" (wgmma on Hopper, mma.sync elsewhere), "mma_sync"
-    (the kernel other GPUs run, also on Hopper: for tests), "wgmma_cp_async" (as auto,
-    keys copied by cp.async, not TMA) or "wgmma_combine" (as auto, key splits always
-    merged through bf16 partials and the combine kernel). Returns the previous
-    setting."""
-    if path not in VERIFY_PATHS:
-        raise InputError(f"path: expected one of {VERIFY_PATHS}, got {path!r}")
-    old = lib().kd_verify_set_path(VERIFY_PATHS.index(path))
-    _device_facts.cache_clear()  # the tile (and so the split) follows the path
-    return VERIFY_PATHS[old]
-
-
-def verify_kernel(R: int, device, page_size: int = 64, B: int | None = None,
-                  max_seq: int | None = None) -> str:
-    """Which verify kernel runs for R query rows on `device` now: "mma_sync", "wgmma"
-    (cp.async copy), "wgmma_tma" or "wgmma_tma_x2" (key tiles multicast to pairs of row
-    tiles; a launch whose splits merge in clusters, `split_merge`, runs "wgmma_tma").
-    B and max_seq (block-table columns x page size) give the launch; without them, one
-    that fills the GPU."""
-    rows, keys, _, copy = _launch_facts(device, R, page_size, B, max_seq)
-    if keys != 64:  # the mma.sync tiles stream 32 keys
-        return "mma_sync"
-    return {0: "wgmma", 1: "wgmma_tma"}.get(copy, f"wgmma_tma_x{copy}")
-
-
-def split_merge(B: int, R: int, num_splits: int, device, page_size: int = 64,
-                max_seq: int | None = None) -> str:
-    """How a launch of B requests of R rows merges its key splits on `device` now: "none"
-    (one split), "cluster" (in the attention kernel, through distributed shared memory:
-    Hopper's TMA path, 2 splits, 16 or more row tiles of 64 rows, clusters that all fit at
-    once) or "combine_kernel" (bf16 partials, then the combine kernel). max_seq as for
-    `verify_kernel`."""
-    if num_splits <= 1:
-        return "none"
-    merges = _I()
-    with torch.cuda.device(torch.device(device).index or 0):
-        small = int(_launch_is_small(device, B, max_seq))
-        _check(lib().kd_verify_merges(B, R, page_size, num_splits, small, ctypes.byref(merges)),
-               "kd_verify_merges")
-    return "cluster" if merges.value else "combine_kernel"
-
-
-def choose_splits(B: int, R: int, max_seq: int, device, page_size: int = 64) -> int:
-    """Splits over the keys so that the grid fills one wave of the GPU without spilling into
-    a second (read off the device, no sync); each split keeps one or two key tiles."""
-    rows, keys, wave, _ = _launch_facts(device, R, page_size, B, max_seq)
-    row_tiles = -(-R // rows)
-    ctas = B * row_tiles
-    tiles = -(-max_seq // keys)
-    want = wave // max(ctas, 1)
-    # One or two row tiles (small trees): a split of a single key tile is fastest (the
-    # GPU is far from full); more rows re-read Q and write partials per split, so each
-    # split keeps two tiles there (H200 measurements in kernels/NOTES.md).
-    min_tiles = 1 if row_tiles <= 2 else 2
-    return max(1, min(want, max(1, tiles // min_tiles), MAX_SPLITS))
-
-
-def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: float,
-                     num_splits: int | None = None, out=None, lse=None):
-    """Tree-verify attention: ``(out bf16 [B, D, H, 512], lse f32 [B, D, H])``.
-
-    ``visibility`` is the build's bool ``[B, D, D]`` or its bit-packed int32
-    ``[B, D, ceil(D/32)]``. ``num_splits`` defaults to a split that fills the GPU.
+    ``B`` requests of ``D`` tree slots and ``H`` heads, over a paged latent cache of
+    ``page_size`` keys a page and block tables of ``max_pages`` columns. ``kernel``: one of
+    VERIFY_KERNELS. ``num_splits``: None lets the library fill one wave of the GPU.
+    A plan's workspace serves one launch at a time (one stream).
     """
-    q = _tensor("q", q, torch.bfloat16, (None, None, None, QK_DIM))
-    dev = q.device
-    B, D, H, _ = q.shape
-    kv = _tensor("kv_cache", kv_cache, torch.bfloat16, (None, None, QK_DIM), dev)
-    page_size = kv.shape[1]
-    if kv.shape[0] < 1 or page_size < 1:
-        raise InputError(f"kv_cache: expected at least one page of at least one row, got shape {tuple(kv.shape)}")
-    bt = _tensor("block_table", block_table, torch.int32, (B, None), dev)
-    if bt.shape[1] < 1:
-        raise InputError("block_table: expected at least one page a request, got 0 columns")
+
+    def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
+                 kernel: str = "auto", num_splits: int | None = None, _workspace: bool = True):
+        for name, v, lo in (("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1),
+                            ("max_pages", max_pages, 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
+        if kernel not in VERIFY_KERNELS:
+            raise InputError(f"kernel: expected one of {VERIFY_KERNELS}, got {kernel!r}")
+        if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+            raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if self.device.type != "cuda":
+            raise InputError(f"device: expected a CUDA device, got {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.kernel_request = kernel
+        self._plan = KdVerifyPlan()
+        with torch.cuda.device(self.device):
+            _check(lib().kd_verify_plan_make(B, D, H, page_size, max_pages, VERIFY_KERNELS.index(kernel),
+                                             num_splits or 0, ctypes.byref(self._plan)), "TreeVerifyPlan")
+        pl = self._plan
+        self.B, self.D, self.H, self.page_size, self.max_pages = B, D, H, page_size, max_pages
+        self.kernel = _KERNEL_NAMES[pl.kernel]
+        self.copy = _COPY_NAMES[pl.copy] if pl.kernel == 1 else "cp_async"
+        self.num_splits = pl.num_splits
+        self.merge = _MERGE_NAMES[pl.merge]
+        self.rows_per_cta, self.keys_per_tile = pl.rows_per_cta, pl.keys_per_tile
+        self.small_launch = bool(pl.small_launch)
+        self._ref = ctypes.byref(pl)
+        self.workspace = _workspace(B, pl.num_splits, D * H, self.device) if _workspace else (None, None)
+
+    def __repr__(self):
+        return (f"TreeVerifyPlan(B={self.B}, D={self.D}, H={self.H}, page_size={self.page_size}, "
+                f"max_pages={self.max_pages}: kernel={self.kernel}, copy={self.copy}, "
+                f"num_splits={self.num_splits}, merge={self.merge})")
+
+    @property
+    def name(self) -> str:
+        """The kernel and copy as one label: mma_sync, wgmma (cp.async), wgmma_tma, wgmma_tma_x2."""
+        if self.kernel == "mma_sync":
+            return "mma_sync"
+        return "wgmma" if self.copy == "cp_async" else f"wgmma_{self.copy}"
+
+    def run(self, q, kv_cache, block_table, seq_lens, visibility, scale: float, *, req_rows=None,
+            out: TreeVerifyResult | None = None) -> TreeVerifyResult:
+        """Runs the plan. ``q bf16 [B, D, H, 576]`` (or SGLang's ``[B*D, H, 576]``);
+        ``kv_cache bf16 [num_pages, page_size, 576]`` (SGLang's token pool ``[slots, 1, 576]``
+        at page size 1); ``block_table i32 [rows, >= max_pages]``: request b reads row
+        ``req_rows[b]`` (``req_rows i32 [B]``, SGLang's ``req_pool_indices``) or row b, so
+        SGLang's ``req_to_token`` is used in place; ``seq_lens i32 [B]`` = prefix + D;
+        ``visibility`` the build's ``visibility_bits i32 [B, D, ceil(D/32)]`` or a bool
+        ``[B, D, D]``; ``scale`` the model's softmax scale (K2-Instruct: 0.130861, never
+        576 ** -0.5). ``out``: a TreeVerifyResult to write into (q's layout: ``out.out`` is
+        ``[B, D, H, 512]`` or ``[B*D, H, 512]``)."""
+        return _run_verify(self, q, kv_cache, block_table, seq_lens, visibility, scale, req_rows, out,
+                           self.workspace)
+
+
+def _workspace(B, num_splits, R, dev):  # the splits' partials
+    if num_splits <= 1:
+        return None, None
+    return (torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.bfloat16, device=dev),
+            torch.empty(B, num_splits, R, dtype=torch.float32, device=dev))
+
+
+def _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, req_rows, out, workspace):
+    B, D, H = plan.B, plan.D, plan.H
+    dev = plan.device
+    flat = q.dim() == 3 if isinstance(q, torch.Tensor) else False
+    qshape = (B * D, H, QK_DIM) if flat else (B, D, H, QK_DIM)
+    q = _tensor("q", q, torch.bfloat16, qshape, dev)
+    kv = _tensor("kv_cache", kv_cache, torch.bfloat16, (None, plan.page_size, QK_DIM), dev)
+    if kv.shape[0] < 1:
+        raise InputError(f"kv_cache: expected at least one page of {plan.page_size} rows, got shape {tuple(kv.shape)}")
+    bt = _tensor("block_table", block_table, torch.int32, (None, None), dev)
+    if bt.shape[1] < plan.max_pages:
+        raise InputError(f"block_table: expected at least max_pages = {plan.max_pages} columns, got {bt.shape[1]}")
+    if req_rows is None:
+        if bt.shape[0] != B:
+            raise InputError(f"block_table: expected {B} rows (one a request; or pass req_rows), got {bt.shape[0]}")
+    else:
+        _tensor("req_rows", req_rows, torch.int32, (B,), dev)
     _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
     if not isinstance(visibility, torch.Tensor):
         raise InputError(f"visibility: expected a torch tensor, got {type(visibility).__name__}")
@@ -428,32 +424,69 @@ def verify_attention(q, kv_cache, block_table, seq_lens, visibility, scale: floa
         bits = 1
     if not isinstance(scale, float) or not scale > 0:
         raise InputError(f"scale: expected a positive float (e.g. 0.130861 for K2), got {scale!r}")
-    R = D * H
-    if num_splits is None:
-        num_splits = choose_splits(B, R, bt.shape[1] * page_size, dev, page_size)
-    if not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
-        raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    oshape = (B * D, H, LATENT_DIM) if flat else (B, D, H, LATENT_DIM)
     if out is None:
-        out = torch.empty(B, D, H, LATENT_DIM, dtype=torch.bfloat16, device=dev)
-    _tensor("out", out, torch.bfloat16, (B, D, H, LATENT_DIM), dev)
-    if lse is None:
-        lse = torch.empty(B, D, H, dtype=torch.float32, device=dev)
-    _tensor("lse", lse, torch.float32, (B, D, H), dev)
+        out = TreeVerifyResult(torch.empty(oshape, dtype=torch.bfloat16, device=dev),
+                               torch.empty(B * D if flat else B, *((H,) if flat else (D, H)),
+                                           dtype=torch.float32, device=dev))
+    else:
+        if not isinstance(out, tuple) or len(out) != 2:
+            raise InputError("out: expected a TreeVerifyResult (out, lse)")
+        _tensor("out.out", out[0], torch.bfloat16, oshape, dev)
+        _tensor("out.lse", out[1], torch.float32, oshape[:-1], dev)
+        out = TreeVerifyResult(*out)
     # The kernels copy q, the cache and out in 16-byte vectors: a view at an odd offset
     # would fault on the GPU, so it is refused here by name.
-    pq, pkv, pout = q.data_ptr(), kv.data_ptr(), out.data_ptr()
+    pq, pkv, pout = q.data_ptr(), kv.data_ptr(), out[0].data_ptr()
     if (pq | pkv | pout) & 15:
         for name, ptr in (("q", pq), ("kv_cache", pkv), ("out", pout)):
             if ptr & 15:
                 raise InputError(f"{name}: expected a 16-byte aligned data pointer, got one {ptr % 16} "
                                  "bytes past it (a view at an offset?)")
-    part_o = part_l = None
-    if num_splits > 1:
-        part_o = torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.bfloat16, device=dev)
-        part_l = torch.empty(B, num_splits, R, dtype=torch.float32, device=dev)
-    rc = lib().kd_verify_attention(pq, pkv, _ptr(bt), _ptr(seq_lens), _ptr(visibility),
-                                   bits, B, D, H, page_size, kv.shape[0], bt.shape[1], float(scale),
-                                   num_splits, pout, _ptr(lse), _ptr(part_o), _ptr(part_l),
-                                   _stream(dev))
-    _check(rc, "verify_attention")
-    return out, lse
+    part_o, part_l = workspace
+    rc = lib().kd_verify_run(plan._ref, pq, pkv, kv.shape[0], _ptr(bt), bt.shape[1], _ptr(req_rows),
+                             _ptr(seq_lens), _ptr(visibility), bits, scale, pout, _ptr(out[1]),
+                             _ptr(part_o), _ptr(part_l), _stream(dev))
+    _check(rc, "tree_verify")
+    return out
+
+
+_PLANS: dict = {}
+
+
+def tree_verify(q, kv_cache, block_table, seq_lens, visibility, scale: float, *, kernel: str = "auto",
+                num_splits: int | None = None, out: TreeVerifyResult | None = None) -> TreeVerifyResult:
+    """Tree-verify attention in MLA absorbed form, planned and run in one call.
+
+    ``q bf16 [B, D, H, 576]``, ``kv_cache bf16 [num_pages, page_size, 576]``,
+    ``block_table i32 [B, max_pages]``, ``seq_lens i32 [B]`` (= prefix + D), ``visibility``
+    the build's ``visibility_bits`` (or a bool ``[B, D, D]``), ``scale`` the model's softmax
+    scale. The plan of each shape is made once and kept (TreeVerifyPlan says what it
+    chooses); the split workspace comes from torch's allocator each call, so concurrent
+    streams never share it. Returns a TreeVerifyResult; ``out=`` writes into one.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        _tensor("q", q, torch.bfloat16, (None, None, None, QK_DIM))  # raises with the reason
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
+        raise InputError(f"kv_cache: expected a [num_pages, page_size, {QK_DIM}] tensor, got "
+                         f"{tuple(kv_cache.shape) if isinstance(kv_cache, torch.Tensor) else type(kv_cache).__name__}")
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise InputError("block_table: expected an int32 [B, max_pages] tensor")
+    B, D, H, _ = q.shape
+    if block_table.shape[1] < 1:
+        raise InputError("block_table: expected at least one page a request, got 0 columns")
+    if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
+        raise InputError(f"kv_cache: expected at least one page of at least one row, got shape {tuple(kv_cache.shape)}")
+    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
+        raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    dev = q.get_device()
+    key = (B, D, H, kv_cache.shape[1], block_table.shape[1], dev, kernel, num_splits)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if dev < 0:
+            _tensor("q", q, torch.bfloat16, (B, D, H, QK_DIM))  # raises: not on a GPU
+        plan = TreeVerifyPlan(B, D, H, kv_cache.shape[1], block_table.shape[1], device=torch.device("cuda", dev),
+                              kernel=kernel, num_splits=num_splits, _workspace=False)
+        _PLANS[key] = plan
+    return _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, None, out,
+                       _workspace(B, plan.num_splits, D * H, plan.device))

@@ -6,37 +6,36 @@ import numpy as np
 import torch
 
 from kdtree import ops
-from kdtree.workloads import paged_case, stage_a_inputs
+from kdtree.harness.workloads import paged_case, stage_a_inputs
 
 
 def main():
     lp, ids = stage_a_inputs(3, 15, 200, 40, seed=1)
     budgets = torch.tensor([40, 7, 0], dtype=torch.int32, device="cuda")
-    trees = ops.build_trees_gpu(lp.cuda(), ids.cuda(), budgets, d_max=41)
+    trees = ops.tree_build(lp.cuda(), ids.cuda(), budgets, d_max=41)
     # Threshold selection with tau raises (coarse rows, budget 256), and one request whose
     # unsorted row sends it to the warp loop.
     lp2, ids2 = stage_a_inputs(4, 15, 8192, 256, seed=3, coarse_fraction=1.0)
     lp2[3, 1] = lp2[3, 1].flip(0)
-    wide = ops.build_trees_gpu(lp2.cuda(), ids2.cuda(),
-                               torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
+    wide = ops.tree_build(lp2.cuda(), ids2.cuda(), torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
     target = torch.randint(0, 200, (3, 41), device="cuda")
-    ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, target, 15)  # a warp each
+    ops.tree_accept(trees.tokens, target, 15, next_token=trees.next_token, next_sibling=trees.next_sibling)  # a warp each
     # D 257: a CTA each; the target follows first children.
     target2 = torch.where(wide.next_token >= 0, wide.tokens.gather(1, wide.next_token.clamp(min=0)), 0)
-    ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target2, 15)
+    ops.tree_accept(wide.tokens, target2, 15, next_token=wide.next_token, next_sibling=wide.next_sibling)
     # Random targets (long sibling scans), then lists that are not a tree.
     target3 = torch.randint(0, 8192, wide.tokens.shape, device="cuda")
-    ops.tree_accept(wide.tokens, wide.next_token, wide.next_sibling, target3, 15)
+    ops.tree_accept(wide.tokens, target3, 15, next_token=wide.next_token, next_sibling=wide.next_sibling)
     ns = wide.next_sibling.clone()
     first = int(wide.next_token[0, 0])
     ns[0, first] = 0                        # a sibling link back to the root: not a tree
-    ops.tree_accept(wide.tokens, wide.next_token, ns, target3, 15)
+    ops.tree_accept(wide.tokens, target3, 15, next_token=wide.next_token, next_sibling=ns)
     # The parents form: a warp each (D 41, ragged), a CTA each (D 257), and 16 slots a thread.
-    ops.tree_accept_parents(trees.tokens, trees.parents, trees.node_counts, target, 15)
-    ops.tree_accept_parents(wide.tokens, wide.parents, wide.node_counts, target2, 15)
+    ops.tree_accept(trees.tokens, target, 15, parents=trees.parents, node_counts=trees.node_counts)
+    ops.tree_accept(wide.tokens, target2, 15, parents=wide.parents, node_counts=wide.node_counts)
     big = torch.randint(0, 3, (2, 3000), device="cuda")
     par = (torch.arange(3000, device="cuda") - 1).clamp(min=-1).int().repeat(2, 1)
-    ops.tree_accept_parents(big, par, torch.tensor([2999, 100], dtype=torch.int32, device="cuda"), big, 40)
+    ops.tree_accept(big, big, 40, parents=par, node_counts=torch.tensor([2999, 100], dtype=torch.int32, device="cuda"))
     case = paged_case([0, 70, 200], 41, 8, 64, seed=2, device="cuda")  # 6 row tiles: TMA
     # Hopper: 2 splits merge in clusters (auto, 18 row tiles); 3, 8 and 40 go through the
     # combine kernel (a warp per half row below 32 splits, a CTA per quarter row from 32), as 3

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from kdtree.attention import (LATENT_DIM, merge_partials, softmax_scale, verify_attention_ref)
+from kdtree.reference.attention import (LATENT_DIM, merge_partials, softmax_scale, verify_attention_ref)
 from kdtree.checks import InputError
-from kdtree.workloads import paged_case
+from kdtree.harness.workloads import paged_case
 
 SCALE = 0.130861
 

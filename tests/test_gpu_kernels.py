@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree.attention import verify_attention_ref
+from kdtree.reference.attention import verify_attention_ref
 from kdtree.checks import NEG_INF_FLOOR, InputError
-from kdtree.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
-from kdtree.workloads import follow_targets, paged_case, stage_a_inputs
+from kdtree.reference.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
+from kdtree.harness.workloads import follow_targets, paged_case, stage_a_inputs
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -29,7 +29,7 @@ def ops():
 
 
 def poisoned_trees(ops, B, D):
-    out = ops._alloc_trees(B, D, torch.device(DEV))
+    out = ops.TreeBuildResult.empty(B, D, DEV, dense_visibility=True)
     for name in FIELDS + ("status",):
         t = getattr(out, name)
         if t.dtype == torch.bool:
@@ -43,9 +43,7 @@ def gpu_vs_cpu(ops, lp, ids, budgets, seq, roots, d_max=None):
     B = lp.shape[0]
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=d_max)
     out = poisoned_trees(ops, B, want.D)
-    got = ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV),
-                              torch.as_tensor(seq, dtype=torch.int32, device=DEV),
-                              torch.as_tensor(roots, dtype=torch.int64, device=DEV), d_max=want.D, out=out)
+    got = ops.tree_build(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV), seq_lens=torch.as_tensor(seq, dtype=torch.int32, device=DEV), root_tokens=torch.as_tensor(roots, dtype=torch.int64, device=DEV), d_max=want.D, out=out)
     for f in FIELDS:
         g = getattr(got, f).cpu().numpy()
         w = getattr(want, f)
@@ -173,7 +171,7 @@ def test_tree_build_status_flags(ops):
     lp, ids = stage_a_inputs(3, 15, 100, 16, seed=7)
     lp[1, 4, 2] = float("nan")
     budgets = torch.tensor([16, 16, 16], dtype=torch.int32, device=DEV)
-    got = ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), budgets, d_max=9)
+    got = ops.tree_build(lp.to(DEV), ids.to(DEV), budgets, d_max=9)
     st = got.status.cpu().tolist()
     assert st[1] & ops.STATUS_NAN_INPUT and got.node_counts[1].item() == 0
     assert st[0] == ops.STATUS_BUDGET_CLAMPED and got.node_counts[0].item() == 8
@@ -185,13 +183,13 @@ def test_tree_build_argument_errors(ops):
     lp, ids = stage_a_inputs(2, 15, 100, 16, seed=8)
     b = torch.tensor([4, 4], dtype=torch.int32, device=DEV)
     with pytest.raises(InputError, match="top_logprobs: expected a CUDA tensor"):
-        ops.build_trees_gpu(lp, ids.to(DEV), b)
+        ops.tree_build(lp, ids.to(DEV), b)
     with pytest.raises(InputError, match="top_ids: expected dtype torch.int64"):
-        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV).int(), b)
+        ops.tree_build(lp.to(DEV), ids.to(DEV).int(), b)
     with pytest.raises(InputError, match=r"budgets: expected shape \[2\]"):
-        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), b[:1])
+        ops.tree_build(lp.to(DEV), ids.to(DEV), b[:1])
     with pytest.raises(InputError, match="d_max: expected"):
-        ops.build_trees_gpu(lp.to(DEV), ids.to(DEV), b, d_max=2000)
+        ops.tree_build(lp.to(DEV), ids.to(DEV), b, d_max=2000)
 
 
 def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
@@ -209,7 +207,7 @@ def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
     def build_and_compare():
         for f in FIELDS:
             getattr(out, f).view(torch.uint8).fill_(0x5A)
-        ops.build_trees_gpu(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, d_max=want.D, out=out)
         for f in FIELDS:
             assert np.array_equal(getattr(out, f).cpu().numpy(), getattr(want, f)), f
 
@@ -218,20 +216,20 @@ def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
     good = out.tokens
     out.tokens = torch.empty(B, want.D, dtype=torch.int32, device=DEV)
     with pytest.raises(InputError, match="out.tokens: expected dtype torch.int64"):
-        ops.build_trees_gpu(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, d_max=want.D, out=out)
     out.tokens = good.view(torch.float64)  # same storage and pointer, another dtype
     with pytest.raises(InputError, match="out.tokens: expected dtype torch.int64"):
-        ops.build_trees_gpu(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, d_max=want.D, out=out)
     out.tokens = good
     build_and_compare()
     out.depths.resize_(B, want.D + 64)  # a larger storage: a new pointer
     with pytest.raises(InputError, match=r"out.depths: expected shape"):
-        ops.build_trees_gpu(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, d_max=want.D, out=out)
     out.depths = torch.empty(B, want.D, dtype=torch.int64, device=DEV)
     with pytest.raises(InputError, match=r"out.node_counts: expected shape \[2\]"):
-        ops.build_trees_gpu(*(a[:2] for a in args), d_max=want.D, out=out)
+        ops.tree_build(*(a[:2] for a in args), d_max=want.D, out=out)
     with pytest.raises(InputError, match=r"out.tokens: expected shape"):
-        ops.build_trees_gpu(*args, d_max=want.D + 1, out=out)
+        ops.tree_build(*args, d_max=want.D + 1, out=out)
     build_and_compare()
 
 
@@ -250,7 +248,7 @@ def test_launches_go_to_the_callers_stream(ops):
     with torch.cuda.stream(side):
         torch.cuda._sleep(2_000_000)                 # ~1 ms of GPU time before the fill
         budgets.fill_(16)
-        trees = ops.build_trees_gpu(lp, ids, budgets, d_max=17)
+        trees = ops.tree_build(lp, ids, budgets, d_max=17)
     side.synchronize()
     assert trees.node_counts.tolist() == [16, 16]        # 0 had it run before the fill
 
@@ -275,7 +273,7 @@ def test_tree_accept_matches_cpu(ops, B, budget):
     tb, target = random_accept_case(rng, B, budget)
     want = greedy_accept_batch(tb.tokens, tb.next_token, tb.next_sibling, target, 15)
     t = lambda a: torch.as_tensor(a).to(DEV)
-    got = ops.tree_accept(t(tb.tokens), t(tb.next_token), t(tb.next_sibling), t(target), 15)
+    got = ops.tree_accept(t(tb.tokens), t(target), 15, next_token=t(tb.next_token), next_sibling=t(tb.next_sibling))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     assert B < 7 or (want[1].max() >= 1 and (want[1] == 0).any())  # both outcomes exercised
@@ -307,7 +305,7 @@ def test_tree_accept_wide_rows_and_depth_limits(ops, B, D, max_depth):
     target = rng.integers(0, V, size=(B, D))
     want = greedy_accept_batch(cand, nt, ns, target, max_depth)
     t = lambda a: torch.as_tensor(a).to(DEV)
-    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), max_depth)
+    got = ops.tree_accept(t(cand), t(target), max_depth, next_token=t(nt), next_sibling=t(ns))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     assert max_depth == 0 or want[1].max() >= 2
@@ -377,7 +375,7 @@ def test_tree_accept_on_trees_and_corrupt_lists(ops, corruption, D):
             nt[b, int(rng.integers(1, D))] = -5
     want = capped_walk(cand, nt, ns, target, 15)
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64)).to(DEV)
-    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), 15)
+    got = ops.tree_accept(t(cand), t(target), 15, next_token=t(nt), next_sibling=t(ns))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     if valid_want is not None:
@@ -423,7 +421,7 @@ def test_tree_accept_long_sibling_scans(ops, D, order):
         assert np.array_equal(g, w)
     assert max(steps) > 16 and want[1].max() >= 2
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64)).to(DEV)
-    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), 15)
+    got = ops.tree_accept(t(cand), t(target), 15, next_token=t(nt), next_sibling=t(ns))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
 
@@ -447,7 +445,7 @@ def test_tree_accept_step_cap_with_a_self_loop(ops, D):
     want = capped_walk(cand, nt, ns, target, max_depth)
     assert want[1][0] == 2 * (D // 3) + 1   # request 0: one step left for a two-step visit
     t = lambda a: torch.as_tensor(a).to(DEV)
-    got = ops.tree_accept(t(cand), t(nt), t(ns), t(target), max_depth)
+    got = ops.tree_accept(t(cand), t(target), max_depth, next_token=t(nt), next_sibling=t(ns))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
 
@@ -462,7 +460,7 @@ def test_tree_accept_corrupt_links_end_the_walk(ops):
     nt[:, 0] = 1
     ns[0, 1], ns[0, 2] = 2, 1                                # cycle 1 -> 2 -> 1
     ns[1, 1] = D + 5                                         # out of range
-    idx, alen, bonus = ops.tree_accept(cand.to(DEV), nt.to(DEV), ns.to(DEV), target.to(DEV), 4)
+    idx, alen, bonus = ops.tree_accept(cand.to(DEV), target.to(DEV), 4, next_token=nt.to(DEV), next_sibling=ns.to(DEV))
     assert alen.tolist() == [0, 0] and bonus.tolist() == [1, 1]
     assert idx[1].tolist() == [D, -1, -1, -1, -1]
 
@@ -475,7 +473,7 @@ def test_tree_accept_full_depth_chain(ops):
     target = torch.cat([torch.arange(1, D), torch.tensor([99])]).repeat(3, 1)
     target[1, 0] = 55          # request 1: nothing accepted
     target[2, 7] = 55          # request 2: stops after 7
-    idx, alen, bonus = ops.tree_accept(cand.to(DEV), nt.to(DEV), ns.to(DEV), target.to(DEV), 15)
+    idx, alen, bonus = ops.tree_accept(cand.to(DEV), target.to(DEV), 15, next_token=nt.to(DEV), next_sibling=ns.to(DEV))
     assert alen.tolist() == [15, 0, 7] and bonus.tolist() == [99, 55, 55]
     assert idx[0].tolist() == list(range(16))
     assert idx[1].tolist() == [D] + [-1] * 15
@@ -488,7 +486,7 @@ def accept_parents_poisoned(ops, cand, par, counts, target, max_depth):
     out = (torch.full((B, max_depth + 1), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
            torch.full((B,), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
            torch.full((B,), 0x5A5A5A5A, dtype=torch.int64, device=DEV))
-    got = ops.tree_accept_parents(t(cand), t(par), t(counts), t(target), max_depth, out=out)
+    got = ops.tree_accept(t(cand), t(target), max_depth, parents=t(par), node_counts=t(counts), out=out)
     assert all(g is o for g, o in zip(got, out))
     return [g.cpu().numpy() for g in got]
 
@@ -509,7 +507,7 @@ def test_tree_accept_parents_equals_the_walk(ops, B, budget):
     for g, w in zip(got, want):
         assert np.array_equal(g, w)
     t = lambda a: torch.as_tensor(a).to(DEV)
-    walk = ops.tree_accept(t(tb.tokens), t(tb.next_token), t(tb.next_sibling), t(target), 15)
+    walk = ops.tree_accept(t(tb.tokens), t(target), 15, next_token=t(tb.next_token), next_sibling=t(tb.next_sibling))
     for g, w in zip(got, walk):
         assert np.array_equal(g, w.cpu().numpy())
     assert budget < 16 or want[1].max() >= 2
@@ -549,26 +547,27 @@ def test_tree_accept_parents_errors_name_the_argument(ops):
     par = torch.zeros(2, 8, dtype=torch.int32, device=DEV)
     n = torch.full((2,), 7, dtype=torch.int32, device=DEV)
     with pytest.raises(InputError, match="parents: expected dtype torch.int32"):
-        ops.tree_accept_parents(cand, par.long(), n, cand, 15)
+        ops.tree_accept(cand, cand, 15, parents=par.long(), node_counts=n)
     with pytest.raises(InputError, match=r"node_counts: expected shape \[2\]"):
-        ops.tree_accept_parents(cand, par, n[:1], cand, 15)
-    with pytest.raises(InputError, match=r"out\[0\] \(accept_index\): expected shape \[2, 16\]"):
-        ops.tree_accept_parents(cand, par, n, cand, 15, out=(n, n, cand[:, 0]))
+        ops.tree_accept(cand, cand, 15, parents=par, node_counts=n[:1])
+    with pytest.raises(InputError, match=r"out.accept_index: expected shape \[2, 16\]"):
+        ops.tree_accept(cand, cand, 15, parents=par, node_counts=n, out=(n, n, cand[:, 0]))
     wide = torch.zeros(1, 4097, dtype=torch.int64, device=DEV)
-    with pytest.raises(InputError, match="candidates: expected at most 4096 slots"):
-        ops.tree_accept_parents(wide, wide.int(), n[:1], wide, 15)
+    with pytest.raises(InputError, match="tokens: expected at most 4096 slots"):
+        ops.tree_accept(wide, wide, 15, parents=wide.int(), node_counts=n[:1])
 
 
 # ---------------------------------------------------------------- attention
-def check_attention(ops, case, num_splits=None, bits=False):
+def check_attention(ops, case, num_splits=None, bits=False, kernel="auto"):
     vis = case.visibility
     if bits:
         vis = torch.from_numpy(pack_visibility(vis.cpu().numpy())).to(DEV)
     B, D, H, _ = case.q.shape
     out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
     lse = torch.full((B, D, H), float("nan"), dtype=torch.float32, device=DEV)
-    ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, SCALE,
-                         num_splits=num_splits, out=out, lse=lse)
+    got = ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, SCALE,
+                          kernel=kernel, num_splits=num_splits, out=(out, lse))
+    assert got.out is out and got.lse is lse
     ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens,
                                         case.visibility, SCALE)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -599,71 +598,73 @@ ATTN_GRID = [
 
 @pytest.fixture(params=["auto", "mma_sync", "wgmma_cp_async", "wgmma_combine"])
 def verify_path(request, ops):
-    """Every verify kernel: "auto" is wgmma on Hopper (but mma.sync for one row tile in a
-    small launch, ops._small_launch; keys by TMA where the page
-    size is a multiple of 64; 2 splits merged in clusters from 16 row tiles), "mma_sync"
-    the kernel every other GPU runs (sm_120 among them), "wgmma_cp_async" the wgmma
-    kernel's cp.async copy, "wgmma_combine" its splits merged by the combine kernel: forced
-    so the H200 tests all."""
-    old = ops.set_verify_path(request.param)
-    yield request.param
-    ops.set_verify_path(old)
+    """Every verify kernel, chosen per call: "auto" is wgmma on Hopper (but mma.sync for one
+    row tile in a small launch; keys by TMA where the page size is a multiple of 64; 2
+    splits merged in clusters from 16 row tiles), "mma_sync" the kernel every other GPU
+    runs (sm_120 among them), "wgmma_cp_async" the wgmma kernel's cp.async copy,
+    "wgmma_combine" its splits merged by the combine kernel: forced so the H200 tests all."""
+    return request.param
+
+
+def plan(ops, B, R, page=64, max_seq=None, kernel="auto", num_splits=None, H=8):
+    """The plan of B requests of R = D * H rows over max_seq keys (default: a launch that fills
+    the GPU)."""
+    assert R % H == 0
+    max_seq = max_seq or 64 * 1024
+    return ops.TreeVerifyPlan(B, R // H, H, page, -(-max_seq // page), kernel=kernel, num_splits=num_splits)
 
 
 def test_hopper_dispatches_to_wgmma(ops):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma path: Hopper (sm_90) only")
-    old = ops.set_verify_path("auto")
-    try:
-        assert ops._device_facts(0, 257 * 8)[:2] == (64, 64)    # the wgmma tile
-        assert ops._device_facts(0, 8)[:2] == (64, 64)          # small trees too
-        # ... but one row tile in a small launch takes mma.sync's tiles of 32 keys.
-        assert ops._device_facts(0, 8, 64, True)[:2] == (16, 32)
-        assert ops._device_facts(0, 64, 64, True)[:2] == (64, 32)
-        assert ops._device_facts(0, 65, 64, True)[:2] == (64, 64)
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        for B, max_seq in ((1, 1), (1, 1024), (1, 8192), (3, 1000), (16, 1024), (64, 64)):
-            want = 2 * B * -(-max_seq // 64) < sms
-            assert ops._small_launch(0, B, max_seq) == want, (B, max_seq)
-        assert ops.verify_kernel(8, DEV, 64, B=1, max_seq=1024) == "mma_sync"
-        assert ops.verify_kernel(8, DEV, 64, B=1, max_seq=64 * sms) != "mma_sync"
-        # Keys by TMA for pages of 64k rows, multicast to pairs from 16 row tiles (even).
-        assert ops.verify_kernel(257 * 8, DEV, 64) == "wgmma_tma"        # 33 row tiles
-        assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"         # 2 row tiles
-        assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma_tma_x2"     # 16 row tiles
-        assert ops.verify_kernel(64 * 16, DEV, 192) == "wgmma_tma_x2"
-        assert ops.verify_kernel(64 * 16, DEV, 32) == "wgmma"            # cp.async
-        rows, keys, wave, copy = ops._device_facts(0, 64 * 16, 64)
-        assert copy == 2 and wave % 2 == 0 and sms - 16 <= wave <= sms
-        # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the
-        # clusters all fit at once.
-        assert ops.split_merge(16, 16 * 8, 1, DEV, 64) == "none"
-        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "cluster"       # 16 row tiles
-        assert ops.split_merge(8, 16 * 8, 3, DEV, 64) == "combine_kernel"     # above 2
-        assert ops.split_merge(7, 16 * 8, 2, DEV, 64) == "combine_kernel"     # 14 row tiles
-        assert ops.split_merge(1024, 16 * 8, 2, DEV, 64) == "combine_kernel"  # 2048 clusters
-        assert ops.split_merge(8, 16 * 8, 2, DEV, 32) == "combine_kernel"     # cp.async copy
-        if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once
-            assert ops.split_merge(33, 16 * 8, 2, DEV, 64) == "cluster"
-            assert ops.split_merge(34, 16 * 8, 2, DEV, 64) == "combine_kernel"
-        ops.set_verify_path("wgmma_combine")
-        assert ops.verify_kernel(16 * 8, DEV, 64) == "wgmma_tma"
-        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "combine_kernel"
-        ops.set_verify_path("wgmma_cp_async")
-        assert ops.verify_kernel(64 * 16, DEV, 64) == "wgmma"
-        assert ops.split_merge(8, 16 * 8, 2, DEV, 64) == "combine_kernel"
-        ops.set_verify_path("mma_sync")
-        assert ops._device_facts(0, 257 * 8)[:2] == (64, 32)
-        assert ops.verify_kernel(64 * 16, DEV, 64) == "mma_sync"
-        assert ops.split_merge(4, 16 * 8, 2, DEV, 64) == "combine_kernel"
-    finally:
-        ops.set_verify_path(old)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    tile = lambda pl: (pl.rows_per_cta, pl.keys_per_tile)
+    assert tile(plan(ops, 16, 257 * 8)) == (64, 64)    # the wgmma tile
+    assert tile(plan(ops, 16, 8)) == (64, 64)          # small trees too
+    # ... but one row tile in a small launch takes mma.sync's tiles of 32 keys.
+    assert tile(plan(ops, 1, 8, max_seq=1024)) == (16, 32)
+    assert tile(plan(ops, 1, 64, max_seq=1024)) == (64, 32)
+    assert tile(plan(ops, 1, 72, max_seq=1024)) == (64, 64)
+    for B, max_seq in ((1, 64), (1, 1024), (1, 8192), (3, 1024), (16, 1024), (64, 64)):
+        want = 2 * B * -(-max_seq // 64) < sms
+        assert plan(ops, B, 8, max_seq=max_seq).small_launch == want, (B, max_seq)
+    assert plan(ops, 1, 8, max_seq=1024).name == "mma_sync"
+    assert plan(ops, 1, 8, max_seq=64 * sms).name != "mma_sync"
+    # Keys by TMA for pages of 64k rows, multicast to pairs from 16 row tiles (even).
+    assert plan(ops, 16, 257 * 8).name == "wgmma_tma"        # 33 row tiles
+    assert plan(ops, 16, 16 * 8).name == "wgmma_tma"         # 2 row tiles
+    assert plan(ops, 16, 64 * 16).name == "wgmma_tma_x2"     # 16 row tiles
+    assert plan(ops, 16, 64 * 16, page=192).name == "wgmma_tma_x2"
+    assert plan(ops, 16, 64 * 16, page=32).name == "wgmma"   # cp.async
+    # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the clusters
+    # all fit at once.
+    merge = lambda B, page=64, splits=2, kernel="auto": plan(ops, B, 16 * 8, page, kernel=kernel,
+                                                             num_splits=splits).merge
+    assert merge(16, splits=1) == "none"
+    assert merge(8) == "cluster"                  # 16 row tiles
+    assert merge(8, splits=3) == "combine_kernel"  # above 2
+    assert merge(7) == "combine_kernel"           # 14 row tiles
+    assert merge(1024) == "combine_kernel"        # 2048 clusters
+    assert merge(8, page=32) == "combine_kernel"  # cp.async copy
+    if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once
+        assert merge(33) == "cluster"
+        assert merge(34) == "combine_kernel"
+    assert plan(ops, 16, 16 * 8, kernel="wgmma_combine").name == "wgmma_tma"
+    assert merge(8, kernel="wgmma_combine") == "combine_kernel"
+    assert plan(ops, 16, 64 * 16, kernel="wgmma_cp_async").name == "wgmma"
+    assert merge(8, kernel="wgmma_cp_async") == "combine_kernel"
+    assert tile(plan(ops, 16, 257 * 8, kernel="mma_sync")) == (64, 32)
+    assert plan(ops, 16, 64 * 16, kernel="mma_sync").name == "mma_sync"
+    assert merge(4, kernel="mma_sync") == "combine_kernel"
+    # The split that fills one wave: many splits for one request, none for a full grid.
+    assert 64 <= plan(ops, 1, 8, max_seq=32768).num_splits <= 128
+    assert plan(ops, 16, 64 * 16, max_seq=32768).num_splits == 1   # 256 CTAs: past one wave
 
 
 @pytest.mark.parametrize("prefixes,D,H,page", ATTN_GRID)
 def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, page):
     case = paged_case(prefixes, D, H, page, seed=D * 7 + H + page, device=DEV)
-    check_attention(ops, case)
+    check_attention(ops, case, kernel=verify_path)
 
 
 # 31 and 32 splits: the two combine layouts' boundary (a warp per half row below 32).
@@ -671,7 +672,7 @@ def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, pa
 @pytest.mark.parametrize("bits", [False, True])
 def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits):
     case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
-    check_attention(ops, case, num_splits=num_splits, bits=bits)
+    check_attention(ops, case, num_splits=num_splits, bits=bits, kernel=verify_path)
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
@@ -680,8 +681,8 @@ def test_verify_split_partials_cost_at_most_one_rounding(ops, verify_path, num_s
     the same inputs their error against the float64 reference stays within one bf16
     rounding (2**-9, relative) of the one-split launch's (H200: 1.7e-3 -> 2.2-2.4e-3)."""
     case = paged_case([3000, 1234, 5000], 16, 8, 64, seed=num_splits, device=DEV)
-    whole = check_attention(ops, case, num_splits=1)
-    split = check_attention(ops, case, num_splits=num_splits)
+    whole = check_attention(ops, case, num_splits=1, kernel=verify_path)
+    split = check_attention(ops, case, num_splits=num_splits, kernel=verify_path)
     assert split <= whole + 2 ** -9, (whole, split)
 
 
@@ -719,7 +720,8 @@ def test_verify_attention_cluster_merge(ops, prefixes, D, H, page):
         pytest.skip("the cluster merge: Hopper (sm_90) only")
     case = paged_case(prefixes, D, H, page, seed=D + H, device=DEV)
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # fits 66 clusters of 2
-        assert ops.split_merge(len(prefixes), D * H, 2, DEV, page) == "cluster"
+        assert ops.TreeVerifyPlan(len(prefixes), D, H, page, case.block_table.shape[1],
+                                  num_splits=2).merge == "cluster"
     check_attention(ops, case, num_splits=2)
 
 
@@ -727,24 +729,24 @@ def test_verify_attention_with_built_tree_mask(ops, verify_path):
     budgets = np.array([63, 10, 1, 63])
     tb = build_trees(*stage_a_inputs(4, 15, 1000, 63, seed=3), budgets)
     case = paged_case([100, 2000, 0, 64], tb.D, 16, 1, seed=4, visibility=tb.visibility, device=DEV)
-    check_attention(ops, case)
+    check_attention(ops, case, kernel=verify_path)
 
 
 def test_verify_attention_argument_errors(ops):
     case = paged_case([10], 4, 8, 64, seed=0, device=DEV)
     with pytest.raises(InputError, match="q: expected dtype torch.bfloat16"):
-        ops.verify_attention(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
+        ops.tree_verify(case.q.float(), case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
     with pytest.raises(InputError, match="visibility: expected shape"):
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility[:, :2], SCALE)
+        ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility[:, :2], SCALE)
     with pytest.raises(InputError, match="scale: expected a positive float"):
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, 0)
+        ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, 0)
     with pytest.raises(InputError, match=r"num_splits: expected an integer in \[1, 128\]"):
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
+        ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
                              SCALE, num_splits=129)
     with pytest.raises(InputError, match="kv_cache: expected at least one page"):
-        ops.verify_attention(case.q, case.kv_cache[:0], case.block_table, case.seq_lens, case.visibility, SCALE)
+        ops.tree_verify(case.q, case.kv_cache[:0], case.block_table, case.seq_lens, case.visibility, SCALE)
     with pytest.raises(InputError, match="block_table: expected at least one page a request"):
-        ops.verify_attention(case.q, case.kv_cache, case.block_table[:, :0], case.seq_lens, case.visibility,
+        ops.tree_verify(case.q, case.kv_cache, case.block_table[:, :0], case.seq_lens, case.visibility,
                              SCALE)
     # Views off a 16-byte boundary (the kernels copy these in 16-byte vectors) are refused by
     # name, before a launch could fault; out is left untouched.
@@ -753,18 +755,18 @@ def test_verify_attention_argument_errors(ops):
     big = torch.full((n + 8,), float("nan"), dtype=torch.bfloat16, device=DEV)
     out = big[4:4 + n].view(B, D, H, 512)
     with pytest.raises(InputError, match="out: expected a 16-byte aligned data pointer, got one 8 bytes past"):
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE,
-                             out=out)
+        ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE,
+                             out=(out, torch.empty(B, D, H, device=DEV)))
     assert torch.isnan(big).all()
     q_big = torch.cat([case.q.flatten(), case.q.flatten()[:4]])
     with pytest.raises(InputError, match="q: expected a 16-byte aligned data pointer"):
-        ops.verify_attention(q_big[4:].view(case.q.shape), case.kv_cache, case.block_table, case.seq_lens,
+        ops.tree_verify(q_big[4:].view(case.q.shape), case.kv_cache, case.block_table, case.seq_lens,
                              case.visibility, SCALE)
     kv_big = torch.cat([case.kv_cache.flatten(), case.kv_cache.flatten()[:2]])
     with pytest.raises(InputError, match="kv_cache: expected a 16-byte aligned data pointer, got one 4 bytes"):
-        ops.verify_attention(case.q, kv_big[2:].view(case.kv_cache.shape), case.block_table, case.seq_lens,
+        ops.tree_verify(case.q, kv_big[2:].view(case.kv_cache.shape), case.block_table, case.seq_lens,
                              case.visibility, SCALE)
-    ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
+    ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
     torch.cuda.synchronize()  # no fault left behind
 
 
@@ -785,10 +787,10 @@ def test_round_captures_in_one_cuda_graph(ops):
     static = dict(lp=lp.clone(), ids=ids.clone(), q=case.q.clone(), target=target.clone())
 
     def round_(s):
-        trees = ops.build_trees_gpu(s["lp"], s["ids"], budgets, d_max=D)
-        out, lse = ops.verify_attention(case.q if s is None else s["q"], case.kv_cache, case.block_table,
-                                        case.seq_lens, trees.visibility_bits, SCALE, num_splits=4)
-        acc = ops.tree_accept(trees.tokens, trees.next_token, trees.next_sibling, s["target"], L)
+        trees = ops.tree_build(s["lp"], s["ids"], budgets, d_max=D)
+        out, lse = ops.tree_verify(case.q if s is None else s["q"], case.kv_cache, case.block_table,
+                                   case.seq_lens, trees.visibility_bits, SCALE, num_splits=4)
+        acc = ops.tree_accept(trees.tokens, s["target"], L, next_token=trees.next_token, next_sibling=trees.next_sibling)
         return trees, out, lse, acc
 
     stream = torch.cuda.Stream()
@@ -823,8 +825,8 @@ def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_sp
     q = case.q.clone()
     out = torch.empty(B, D, H, 512, dtype=torch.bfloat16, device=DEV)
     lse = torch.empty(B, D, H, dtype=torch.float32, device=DEV)
-    run = lambda: ops.verify_attention(q, case.kv_cache, case.block_table, case.seq_lens,
-                                       case.visibility, SCALE, num_splits=num_splits, out=out, lse=lse)
+    run = lambda: ops.tree_verify(q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
+                                  SCALE, kernel=verify_path, num_splits=num_splits, out=(out, lse))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -2,22 +2,27 @@
 code (tree_select.cuh, compiled for the host) against the CPU reference."""
 import ctypes
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
 
 from kdtree import build as kbuild
 from kdtree.checks import InputError
-from kdtree.tree import build_tree
-from kdtree.workloads import stage_a_inputs
+from kdtree.reference.tree import build_tree
+from kdtree.harness.workloads import stage_a_inputs
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
 
 @pytest.fixture(scope="session")
-def lib():
-    path = kbuild.build(jobs=2)   # every default arch: a build break fails CI
-    so = ctypes.CDLL(str(path))
+def lib_path():
+    return kbuild.build(jobs=2)   # every default arch: a build break fails CI
+
+
+@pytest.fixture(scope="session")
+def lib(lib_path):
+    so = ctypes.CDLL(str(lib_path))
     f = so.kd_select_nodes_host
     f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
     f.restype = ctypes.c_int
@@ -64,10 +69,64 @@ def assert_threshold_equals_heap(lib, lp, ids, budget):
     return n, stats
 
 
-def test_library_exports_the_c_abi(lib):
-    for name in ("kd_build_trees", "kd_tree_accept", "kd_verify_attention", "kd_verify_tile", "kd_verify_small_launch",
-                 "kd_verify_set_path", "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
+def test_library_exports_the_c_abi(lib, lib_path):
+    from kdtree import loader
+
+    for name in ("kd_build_trees", "kd_tree_accept", "kd_tree_accept_parents", "kd_verify_plan_make",
+                 "kd_verify_run", "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
         assert hasattr(lib, name)
+    # No process-global kernel switch any more: a plan carries its path.
+    for gone in ("kd_verify_set_path", "kd_verify_attention", "kd_verify_tile"):
+        assert not hasattr(lib, gone)
+    assert lib.kd_version() == loader.ABI_VERSION
+    loader.load(lib_path)   # every declared entry point exists
+
+
+def test_loader_refuses_a_stale_library(tmp_path):
+    from kdtree import loader
+
+    src = tmp_path / "old.c"
+    src.write_text("int kd_version(void) { return 3; }\n")
+    so = tmp_path / "libold.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    with pytest.raises(RuntimeError, match=r"libold.so: a stale libkdtree \(C ABI 3; this kdtree needs"):
+        loader.load(so)
+
+
+def test_loader_finds_named_packaged_then_jit_builds_once(tmp_path, monkeypatch, lib_path, capsys):
+    """KDTREE_LIB wins; without it and without a packaged build, the JIT cache builds on first
+    use (one message, under a lock) and reuses the build after."""
+    from kdtree import loader
+
+    monkeypatch.setenv("KDTREE_LIB", str(tmp_path / "missing.so"))
+    assert loader.library_path() == tmp_path / "missing.so"
+    loader.lib.cache_clear()
+    with pytest.raises(RuntimeError, match="KDTREE_LIB=.*missing.so: no such file"):
+        loader.lib()
+    monkeypatch.delenv("KDTREE_LIB")
+    monkeypatch.setenv("KDTREE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "PACKAGED_LIB", tmp_path / "not_installed.so")
+    calls = []
+
+    def fake_build(work, archs):
+        calls.append(work)
+        work.mkdir(parents=True)
+        shutil.copy(lib_path, work / "libkdtree.so")
+        return work / "libkdtree.so"
+
+    monkeypatch.setattr(loader, "build", fake_build)
+    target = loader.jit_path()
+    assert target.parent.parent == tmp_path / "cache" and not target.exists()
+    try:
+        loader.lib.cache_clear()
+        so = loader.lib()
+        assert so.kd_version() == loader.ABI_VERSION and target.exists()
+        assert "compiling the CUDA kernels" in capsys.readouterr().err
+        loader.lib.cache_clear()
+        loader.lib()
+        assert len(calls) == 1
+    finally:
+        loader.lib.cache_clear()
 
 
 def test_kernel_selection_matches_reference_on_golden_cases(lib, golden):
@@ -141,28 +200,47 @@ def test_bindings_name_bad_arguments_without_a_gpu():
 
     lp = torch.zeros(2, 15, 4)
     with pytest.raises(InputError, match="top_logprobs: expected a CUDA tensor"):
-        ops.build_trees_gpu(lp, lp.long(), torch.ones(2, dtype=torch.int32))
-    with pytest.raises(InputError, match="candidates: expected a CUDA tensor"):
-        ops.tree_accept(torch.zeros(2, 5, dtype=torch.long), None, None, None, 15)
+        ops.tree_build(lp, lp.long(), torch.ones(2, dtype=torch.int32))
+    z5 = torch.zeros(2, 5, dtype=torch.long)
+    with pytest.raises(InputError, match="tokens: expected a CUDA tensor"):
+        ops.tree_accept(z5, z5, 15, next_token=z5, next_sibling=z5)
+    z = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    with pytest.raises(InputError, match="tree_accept: expected the tree as parents= and node_counts=, or"):
+        ops.tree_accept(z, z, 15, parents=z)
+    with pytest.raises(InputError, match="max_depth: expected an integer >= 0"):
+        ops.tree_accept(z, z, -1, parents=z, node_counts=z)
     with pytest.raises(InputError, match="q: expected a CUDA tensor, got device cpu"):
-        ops.verify_attention(torch.zeros(1, 2, 8, 576), None, None, None, None, 0.13)
+        ops.tree_verify(torch.zeros(1, 2, 8, 576, dtype=torch.bfloat16), torch.zeros(4, 64, 576),
+                        torch.zeros(1, 1, dtype=torch.int32), None, None, 0.13)
+    with pytest.raises(InputError, match="kernel: expected one of"):
+        ops.TreeVerifyPlan(1, 2, 8, 64, 4, kernel="fastest")
+    with pytest.raises(InputError, match="num_splits: expected an integer in"):
+        ops.TreeVerifyPlan(1, 2, 8, 64, 4, num_splits=0)
+    with pytest.raises(InputError, match="page_size: expected an integer >= 1"):
+        ops.TreeVerifyPlan(1, 2, 8, 0, 4)
 
 
-def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib):
+def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib_path):
     """q, the cache, out and the partials are copied in 16-byte vectors: a pointer off a
     16-byte boundary is KD_ERR_ARGUMENT, checked before the device is touched (so no GPU
     here: fake pointers never reach a kernel). Called through the bindings' declared ABI
-    (`lib` has built the library they load)."""
-    from kdtree import ops
+    (loaded as kdtree.loader loads it)."""
+    from kdtree import loader
 
-    f = ops.lib().kd_verify_attention
+    so = loader.load(lib_path)
+    plan = loader.KdVerifyPlan(B=2, D=3, H=8, page_size=64, max_pages=4, path=0, device=0, kernel=0, copy=0,
+                               rows_per_cta=32, keys_per_tile=32, num_splits=2, merge=2, small_launch=1)
     ok = 1 << 20  # 16-byte aligned fake addresses
     names = ("q", "kv_cache", "out", "partial_out")
     for bad in names:
         ptrs = {n: ok + (8 if n == bad else 0) for n in names}
-        rc = f(ptrs["q"], ptrs["kv_cache"], ok, ok, ok, 0, 2, 3, 8, 64, 10, 4, 0.13, 2,
-               ptrs["out"], ok, ptrs["partial_out"], ok, None)
+        rc = so.kd_verify_run(ctypes.byref(plan), ptrs["q"], ptrs["kv_cache"], 10, ok, 4, None, ok, ok, 0, 0.13,
+                              ptrs["out"], ok, ptrs["partial_out"], ok, None)
         assert rc == 1001, bad  # KD_ERR_ARGUMENT
+    # a table narrower than the plan's pages, a split plan without its workspace
+    assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 3, None, ok, ok, 0, 0.13, ok, ok, ok, ok, None) == 1001
+    assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, None, None,
+                            None) == 1001
 
 
 @pytest.mark.parametrize("L", [16, 17, 40])

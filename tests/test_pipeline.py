@@ -9,14 +9,14 @@ import stat
 import pandas as pd
 import pytest
 
-from kdtree import gpu as kgpu
-from kdtree.breakdown import breakdown_table
+from kdtree.harness import gpu as kgpu
+from kdtree.harness.breakdown import breakdown_table
 from kdtree.cli import main as cli
-from kdtree.deploy_checks import check_container, check_slurm_plan, readme_test_command
-from kdtree.figures import render_all
-from kdtree.results import ResumableSweep, write_parquet_atomic
-from kdtree.sweeps import tree_accept, tree_build
-from kdtree.sweeps.runner import run_sweep
+from kdtree.tools.deploy_checks import check_container, check_slurm_plan, readme_test_command
+from kdtree.harness.figures import render_all
+from kdtree.harness.results import ResumableSweep, write_parquet_atomic
+from kdtree.harness.sweeps import tree_accept, tree_build
+from kdtree.harness.sweeps.runner import run_sweep
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -155,19 +155,20 @@ def test_claim_gpu_gives_each_job_its_own(tmp_path, monkeypatch):
 
 def test_container_definition_checks():
     assert check_container(ROOT / "containers/kdtree.def", ROOT / "constraints.txt", ROOT / "README.md") == []
-    assert readme_test_command((ROOT / "README.md").read_text()) == ".venv/bin/python -m pytest -q tests"
+    assert readme_test_command((ROOT / "README.md").read_text()) == ".venv/bin/python -P -m pytest -q tests"
 
 
 def test_container_check_catches_drift(tmp_path):
     text = (ROOT / "containers/kdtree.def").read_text()
     bad = text.replace("13.0.1-devel-ubuntu24.04", "12.4.1-devel-ubuntu22.04").replace(
-        "-c /opt/kdtree/constraints.txt -e", "torch==2.9.0 -e").replace("%runscript", "%notrun")
+        "-c /opt/kdtree/constraints.txt '/opt", "torch==2.9.0 -e '/opt").replace("%runscript", "%notrun")
     p = tmp_path / "k.def"
     p.write_text(bad)
     problems = check_container(p, ROOT / "constraints.txt", ROOT / "README.md")
     joined = "\n".join(problems)
     assert "13.0.x-devel-ubuntu24.04" in joined and "torch==2.9.0" in joined
     assert "missing section %runscript" in joined and "-c constraints.txt" in joined
+    assert "not editable" in joined
 
 
 def test_slurm_plan_check():
@@ -210,7 +211,7 @@ def test_unreachable_probe_still_gives_the_declared_figure(tmp_path):
 
 def test_provenance_commit_told_by_the_environment(monkeypatch):
     """A lent copy with a stale .git records the commit it is told, not git's HEAD."""
-    from kdtree import provenance
+    from kdtree.harness import provenance
     monkeypatch.setenv("KDTREE_GIT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
     monkeypatch.setenv("KDTREE_GIT_DIRTY", "0")
     provenance._static.cache_clear()

@@ -6,7 +6,7 @@ import socket
 import pandas as pd
 import pytest
 
-from kdtree.probe import ProbeConfig, ProbeError, SSELines, load_prompts, probe_to_parquet, run_probe
+from kdtree.probe.client import ProbeConfig, ProbeError, SSELines, load_prompts, probe_to_parquet, run_probe
 from sglang_server import FakeSGLang  # tests/sglang_server.py
 
 

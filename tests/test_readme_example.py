@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from kdtree.tree import build_trees, greedy_accept_batch
+from kdtree.reference.tree import build_trees, greedy_accept_batch
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 

@@ -1,7 +1,7 @@
 """Issue-7 target verdicts from synthetic rows: met, not met, and not measured."""
 import pandas as pd
 
-from kdtree.targets import MET, NOT_MEASURED, NOT_MET, check_targets
+from kdtree.harness.targets import MET, NOT_MEASURED, NOT_MET, check_targets
 
 
 def _verify_rows(fraction, copy_fraction, b1_time, sdpa_time):

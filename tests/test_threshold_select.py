@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from kdtree.checks import InputError
-from kdtree.threshold_select import select_by_threshold
-from kdtree.tree import build_tree
-from kdtree.workloads import stage_a_inputs
+from kdtree.reference.threshold_select import select_by_threshold
+from kdtree.reference.tree import build_tree
+from kdtree.harness.workloads import stage_a_inputs
 
 
 def _same_as_heap(lp, budget):

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-from kdtree.tree import (PAD_TOKEN, build_tree, build_trees, greedy_accept, greedy_accept_batch,
+from kdtree.reference.tree import (PAD_TOKEN, build_tree, build_trees, greedy_accept, greedy_accept_batch,
                          greedy_accept_parents_batch, pack_visibility)
-from kdtree.workloads import follow_targets, stage_a_inputs
+from kdtree.harness.workloads import follow_targets, stage_a_inputs
 
 
 def test_batched_equals_per_request_and_padding_is_unreachable():

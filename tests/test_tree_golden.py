@@ -1,7 +1,7 @@
 """The CPU builder against the DDTree authors' reference implementation."""
 import numpy as np
 
-from kdtree.tree import build_tree, greedy_accept
+from kdtree.reference.tree import build_tree, greedy_accept
 
 
 def test_golden_cases_cover_the_edge_cases(golden):

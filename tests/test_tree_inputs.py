@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kdtree.checks import NEG_INF_FLOOR, InputError
-from kdtree.tree import build_tree, build_trees, stage_a
+from kdtree.reference.tree import build_tree, build_trees, stage_a
 
 
 def arrays(L=3, K=4):

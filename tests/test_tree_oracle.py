@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kdtree.tree import build_tree, visibility_from_parents
+from kdtree.reference.tree import build_tree, visibility_from_parents
 
 
 def dyadic_rows(rng, L, K, levels=6):

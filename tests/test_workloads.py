@@ -1,7 +1,7 @@
 """Synthetic workloads look like the real thing: ties, mixed entropy, poisoned paged caches."""
 import torch
 
-from kdtree.workloads import drafter_logits, paged_case, stage_a_inputs
+from kdtree.harness.workloads import drafter_logits, paged_case, stage_a_inputs
 
 
 def test_drafter_logits_are_seeded_bf16_with_ties():

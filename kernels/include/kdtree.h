@@ -20,6 +20,8 @@ extern "C" {
                                      // (rows not certified for threshold selection)
 
 
+// The C ABI's version: the Python bindings refuse a library whose number differs.
+#define KD_ABI_VERSION 4
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
@@ -57,51 +59,46 @@ int kd_tree_accept_parents(const int64_t* candidates, const int32_t* parents,
                            int max_depth, int32_t* accept_index, int32_t* accept_len,
                            int64_t* bonus, void* stream);
 
-// Tree-verify attention, MLA absorbed form (spec verify_attention.md).
-// q bf16 [B, D, H, 576]; kv_cache bf16 [num_pages, page_size, 576]; block_table i32
-// [B, max_pages]; seq_lens i32 [B] (= P_b + D); visibility: u8 [B, D, D] (vis_bits == 0)
-// or i32 [B, D, ceil(D/32)] bit-packed (vis_bits == 1). out bf16 [B, D, H, 512],
-// lse f32 [B, D, H] (natural log). num_splits (1..128) > 1 splits each request's keys; then
-// partial_out bf16 [B, num_splits, D*H, 512] (each split's normalised output) and
-// partial_lse f32 [B, num_splits, D*H] are the caller's workspace (left unused where
-// kd_verify_merges says the launch merges its splits in the kernel). q, kv_cache, out and
-// partial_out are copied in 16-byte vectors, so they must be 16-byte aligned
-// (KD_ERR_ARGUMENT otherwise; every CUDA allocation is, a view at an offset may not be).
-int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
-                        const int32_t* seq_lens, const void* visibility, int vis_bits,
-                        int B, int D, int H, int page_size, int num_pages, int max_pages, float scale,
-                        int num_splits, void* out, float* lse, void* partial_out,
-                        float* partial_lse, void* stream);
+// Tree-verify attention, MLA absorbed form (spec verify_attention.md), as plan then run:
+// kd_verify_plan makes every dispatch choice for one shape on the current device (kernel,
+// key copy, splits, how splits merge: the rules in verify_plan.cu), kd_verify_run launches
+// that plan on pointers. A plan holds no pointers; keep it as long as the shape holds.
+#define KD_VERIFY_AUTO 0            // the device's best kernel
+#define KD_VERIFY_MMA_SYNC 1        // the mma.sync kernel everywhere (what sm_120 runs)
+#define KD_VERIFY_WGMMA_CP_ASYNC 2  // as AUTO, keys copied by cp.async even where TMA fits
+#define KD_VERIFY_WGMMA_COMBINE 3   // as AUTO, key splits always merged by the combine kernel
 
-// Whether a launch of B requests over block tables of max_seq keys (max_pages * page_size)
-// is small: 2 * B * ceil(max_seq / 64) < the device's SM count. kd_verify_attention decides
-// this itself; the host asks here to size splits for the same tile.
-int kd_verify_small_launch(int B, int max_seq, int* small);
+typedef struct kd_verify_plan {
+  // The shape (as passed to kd_verify_plan).
+  int B, D, H, page_size, max_pages, path, device;
+  // The choices: kernel 0 mma.sync, 1 wgmma; copy 0 cp.async, 1 TMA, 2 TMA multicast to pairs
+  // of row tiles; merge 0 one split, 1 splits merged in thread-block clusters, 2 bf16
+  // partials merged by the combine kernel.
+  int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch;
+} kd_verify_plan;
 
-// The tile the current device gets for R = D*H query rows, this page size and launch size
-// (small: kd_verify_small_launch's answer; chosen by R, the kernel path below, the device's
-// compute capability and shared memory per block): query rows per CTA, keys per
-// shared-memory tile (64 only for the wgmma kernel), CTAs resident at once (one wave, for
-// sizing splits on the host) and the wgmma kernel's key copy (0: cp.async or not the wgmma
-// kernel; 1: TMA; 2: TMA multicast to pairs of row tiles).
-int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta, int* keys_per_tile, int* wave_ctas,
-                   int* copy_path);
+// Plans a launch of B requests, D tree slots and H heads each, over block tables of
+// max_pages pages of page_size keys, on the current device. path: KD_VERIFY_*.
+// num_splits: 0 chooses the split that fills one wave of the GPU; 1..128 forces it.
+int kd_verify_plan_make(int B, int D, int H, int page_size, int max_pages, int path, int num_splits,
+                        kd_verify_plan* plan);
 
-// Whether a launch of B requests, R rows each, with these splits merges the splits inside
-// the attention kernel (*merges = 1: Hopper's TMA path with 2 splits, 16 or more row tiles
-// of 64 rows, and clusters that all fit on the GPU at once; no partials are written and no
-// combine kernel runs) or, with
-// several splits, through partial_out/partial_lse and the combine kernel (*merges = 0).
-// small: as for kd_verify_tile.
-int kd_verify_merges(int B, int R, int page_size, int num_splits, int small, int* merges);
-
-// Which verify kernel runs: 0 = the device's best (wgmma on Hopper when the library has
-// sm_90a, mma.sync elsewhere), 1 = the mma.sync kernel everywhere (so a Hopper GPU tests
-// the path other GPUs take), 2 = as 0 but the wgmma kernel copies keys by cp.async, not
-// TMA (the path of page sizes that are not multiples of 64), 3 = as 0 but key splits
-// always merge through the partials and the combine kernel. Returns the previous setting,
-// -1 for another value.
-int kd_verify_set_path(int path);
+// Runs a plan on the current device (the plan's). q bf16 [B, D, H, 576] (SGLang's
+// [B*D, H, 576] is the same memory); kv_cache bf16 [num_pages, page_size, 576] (SGLang's
+// token pool [slots, 1, 576] is page_size 1); request b reads its pages from row
+// req_rows[b] (or b where req_rows is NULL) of block_table, a row-major table of rows of
+// table_stride int32 entries, its first max_pages columns (SGLang's req_to_token with
+// req_pool_indices: no per-round copy). seq_lens i32 [B] (= P_b + D). visibility: u8
+// [B, D, D] (vis_bits 0) or i32 [B, D, ceil(D/32)] bit-packed (vis_bits 1). out bf16
+// [B, D, H, 512], lse f32 [B, D, H] (natural log). With num_splits > 1, partial_out bf16
+// [B, num_splits, D*H, 512] and partial_lse f32 [B, num_splits, D*H] are the caller's
+// workspace (needed even where the plan merges in clusters: a launch that cannot encode
+// its tensor map falls back to the combine). q, kv_cache, out and partial_out must be
+// 16-byte aligned (KD_ERR_ARGUMENT otherwise).
+int kd_verify_run(const kd_verify_plan* plan, const void* q, const void* kv_cache, int num_pages,
+                  const int32_t* block_table, int table_stride, const int32_t* req_rows,
+                  const int32_t* seq_lens, const void* visibility, int vis_bits, float scale,
+                  void* out, float* lse, void* partial_out, float* partial_lse, void* stream);
 
 #ifdef __cplusplus
 }

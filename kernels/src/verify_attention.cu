@@ -22,7 +22,7 @@ namespace {
 
 constexpr int LD = QK_DIM + 8;      // padded row stride (elements): conflict-free ldmatrix
 constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
-constexpr int KEYS = 32;            // keys per shared-memory tile (16 per warp in S = QK^T)
+constexpr int KEYS = MMA_KEYS;      // keys per shared-memory tile (16 per warp in S = QK^T)
 constexpr int PLD = KEYS + 8;       // P row stride
 
 // SW warp pairs (16 query rows each), a ring of STAGES key tiles.
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int qrow = pair * 16;          // the pair's 16 rows within the tile
   const int col0 = half * 256;         // this warp's output columns
   const int key0 = half * 16;          // this warp's keys within a tile, for S
-  const int32_t* table = p.block_table + (size_t)b * p.max_pages;
+  const int32_t* table = request_table(p, b);
   const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
 
@@ -249,53 +249,14 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 namespace kd {
 namespace {
 
-// The tile for R query rows on this device: the wgmma kernel on Hopper (sm_90a in the
-// build), except for a small launch of one 64-row tile; otherwise the fewest mma.sync rows
-// that cover R (no idle warps on small trees), as far as the device's shared memory per
-// block allows.
-enum class TileKind { WGMMA, T64, T32, T16 };
-
-int g_verify_path = 0;  // kd_verify_set_path: 0 auto; 1 mma.sync only; 2 wgmma by cp.async;
-                        // 3 splits through the combine kernel
-
-// A launch too small for every SM to get one of the mma.sync kernel's 32-key tiles:
-// 2 * B * ceil(max_seq / 64) < SMs. There, for one row tile (R <= 64), mma.sync splits of a
-// single 32-key tile finish sooner than the wgmma kernel's 64-key ones; from there on the
-// wgmma kernel wins at any R, small trees included (H200, same run, H 8, D 1: B 1, P 1k
-// 8.2 us mma.sync vs 11.2 wgmma; B 1, P 8k 15.0 vs 12.5; B 1, P 32k 28.1 vs 20.0; B 16, P 8k
-// 53.3 vs 46.2; kernels/NOTES.md v8).
-bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
-  return 2LL * B * ((max_seq + 63) / 64) < d.sms;
-}
-
-TileKind pick_tile(const DeviceFacts& d, int R, bool small) {
-  const size_t room = (size_t)d.smem_optin;
-  bool wgmma = false;
-#ifdef KD_HAS_SM90A
-  wgmma = g_verify_path != 1 && d.major == 9 && d.minor == 0 && (R > WGMMA_ROWS || !small) &&
-          room >= verify_wgmma_smem_bytes();
-#else
-  (void)small;
-#endif
-  if (wgmma) return TileKind::WGMMA;
-  if (R > 32 && room >= Tile64::SMEM_BYTES) return TileKind::T64;
-  if (R > 16 && room >= Tile32::SMEM_BYTES) return TileKind::T32;
-  return TileKind::T16;
-}
-
-// Calls f with a value of the mma.sync tile type of `k` (not WGMMA: that kernel is apart).
+// Calls f with a value of the mma.sync tile type of `rows` query rows.
 template <class F>
-int with_tile(TileKind k, F f) {
-  switch (k) {
-    case TileKind::T64: return f(Tile64{});
-    case TileKind::T32: return f(Tile32{});
+int with_tile(int rows, F f) {
+  switch (rows) {
+    case Tile64::ROWS: return f(Tile64{});
+    case Tile32::ROWS: return f(Tile32{});
     default: return f(Tile16{});
   }
-}
-
-int tile_rows(TileKind k) {
-  if (k == TileKind::WGMMA) return WGMMA_ROWS;
-  return with_tile(k, [](auto tile) { return decltype(tile)::ROWS; });
 }
 
 template <class T>
@@ -322,116 +283,31 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }
 
 }  // namespace
+
+// The fewest mma.sync rows that cover R (no idle warps on small trees), as far as the
+// device's shared memory per block allows.
+int verify_mma_rows(const DeviceFacts& d, int R) {
+  const size_t room = (size_t)d.smem_optin;
+  if (R > 32 && room >= Tile64::SMEM_BYTES) return Tile64::ROWS;
+  if (R > 16 && room >= Tile32::SMEM_BYTES) return Tile32::ROWS;
+  return Tile16::ROWS;
+}
+
+int verify_mma_wave(const DeviceFacts& d, int rows, int* ctas) {
+  int per_sm = 0;
+  const int err = with_tile(rows, [&](auto tile) { return ctas_per_sm<decltype(tile)>(&per_sm); });
+  if (err) return err;
+  *ctas = d.sms * (per_sm > 0 ? per_sm : 1);
+  return 0;
+}
+
+int launch_verify_mma(const VerifyParams& p, int rows, int B, cudaStream_t st) {
+  return with_tile(rows, [&](auto tile) { return launch<decltype(tile)>(p, B, st); });
+}
+
 }  // namespace kd
 
 #ifdef KD_VERIFY_PROFILE
 namespace kd { long long* g_stamps = nullptr; }
 extern "C" void kd_verify_profile_buffer(void* buf) { kd::g_stamps = static_cast<long long*>(buf); }
 #endif
-
-extern "C" int kd_verify_small_launch(int B, int max_seq, int* small) {
-  if (B < 0 || max_seq < 0) return KD_ERR_ARGUMENT;
-  const kd::DeviceFacts* d = nullptr;
-  const int err = kd::device_facts(&d);
-  if (err) return err;
-  *small = kd::small_launch(*d, B, max_seq);
-  return 0;
-}
-
-extern "C" int kd_verify_tile(int R, int page_size, int small, int* rows_per_cta, int* keys_per_tile,
-                              int* wave_ctas, int* copy_path) {
-  if (R < 1 || page_size < 1) return KD_ERR_ARGUMENT;
-  const kd::DeviceFacts* d = nullptr;
-  int err = kd::device_facts(&d);
-  if (err) return err;
-  const kd::TileKind kind = kd::pick_tile(*d, R, small != 0);
-  *rows_per_cta = kd::tile_rows(kind);
-  *keys_per_tile = kind == kd::TileKind::WGMMA ? kd::WGMMA_KEYS : kd::KEYS;
-  *copy_path = 0;
-#ifdef KD_HAS_SM90A
-  if (kind == kd::TileKind::WGMMA) {
-    *copy_path = kd::verify_wgmma_copy_path(R, page_size);
-    return kd::verify_wgmma_wave(R, page_size, wave_ctas);
-  }
-#endif
-  int per_sm = 0;
-  err = kd::with_tile(kind, [&](auto tile) { return kd::ctas_per_sm<decltype(tile)>(&per_sm); });
-  if (err) return err;
-  *wave_ctas = d->sms * (per_sm > 0 ? per_sm : 1);
-  return 0;
-}
-
-extern "C" int kd_verify_set_path(int path) {
-  if (path < 0 || path > 3) return -1;
-  const int old = kd::g_verify_path;
-  kd::g_verify_path = path;
-#ifdef KD_HAS_SM90A
-  kd::verify_wgmma_set_path(path);
-#endif
-  return old;
-}
-
-extern "C" int kd_verify_merges(int B, int R, int page_size, int num_splits, int small, int* merges) {
-  if (B < 0 || R < 1 || page_size < 1 || num_splits < 1) return KD_ERR_ARGUMENT;
-  const kd::DeviceFacts* d = nullptr;
-  const int err = kd::device_facts(&d);
-  if (err) return err;
-  const kd::TileKind kind = kd::pick_tile(*d, R, small != 0);
-  *merges = 0;
-#ifdef KD_HAS_SM90A
-  if (kind == kd::TileKind::WGMMA) *merges = kd::verify_wgmma_merges(B, R, page_size, num_splits);
-#endif
-  return 0;
-}
-
-extern "C" int kd_verify_attention(const void* q, const void* kv_cache, const int32_t* block_table,
-                                   const int32_t* seq_lens, const void* visibility, int vis_bits,
-                                   int B, int D, int H, int page_size, int num_pages, int max_pages,
-                                   float scale,
-                                   int num_splits, void* out, float* lse, void* partial_out,
-                                   float* partial_lse, void* stream) {
-  if (B < 0 || D < 1 || H < 1 || page_size < 1 || num_pages < 1 || max_pages < 1 || num_splits < 1)
-    return KD_ERR_ARGUMENT;
-  if (num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
-  if (num_splits > kd::MAX_SPLITS) return KD_ERR_ARGUMENT;
-  const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
-  if (misaligned(q) || misaligned(kv_cache) || misaligned(out) || misaligned(partial_out)) return KD_ERR_ARGUMENT;
-  if (B == 0) return 0;
-  kd::Params p;
-  p.q = static_cast<const __nv_bfloat16*>(q);
-  p.kv = static_cast<const __nv_bfloat16*>(kv_cache);
-  p.block_table = block_table;
-  p.seq_lens = seq_lens;
-  p.vis = visibility;
-  p.vis_bits = vis_bits;
-  p.D = D; p.H = H; p.R = D * H;
-  p.page_size = page_size; p.num_pages = num_pages; p.max_pages = max_pages; p.num_splits = num_splits;
-  p.page_shift = (page_size & (page_size - 1)) == 0 ? __builtin_ctz((unsigned)page_size) : -1;
-  p.scale_log2 = scale * kd::LOG2E;
-  p.out = static_cast<__nv_bfloat16*>(out);
-  p.lse = lse;
-  p.part_out = static_cast<__nv_bfloat16*>(partial_out);
-  p.part_lse = partial_lse;
-#ifdef KD_VERIFY_PROFILE
-  p.stamps = kd::g_stamps;
-#endif
-  cudaStream_t st = (cudaStream_t)stream;
-  const kd::DeviceFacts* d = nullptr;
-  int rc = kd::device_facts(&d);
-  if (rc) return rc;
-  const bool small = kd::small_launch(*d, B, (long long)max_pages * page_size);
-  const kd::TileKind kind = kd::pick_tile(*d, p.R, small);
-  bool merged = false;  // the splits merged in the attention kernel (clusters on Hopper)
-#ifdef KD_HAS_SM90A
-  if (kind == kd::TileKind::WGMMA) rc = kd::launch_verify_wgmma(p, B, st, &merged);
-  else
-#endif
-    rc = kd::with_tile(kind, [&](auto tile) { return kd::launch<decltype(tile)>(p, B, st); });
-  if (rc) return rc;
-  // The combine as a programmatic dependent after the mma.sync kernel on Hopper only: a
-  // same-run A/B on the H200 (kernels/NOTES.md, session 15) measured it 0.5-1 us faster
-  // there, and mixed after the wgmma kernel (up to 1.7 us slower at batch 1). sm_120 is
-  // not measured, so it keeps the plain launch.
-  if (num_splits == 1 || merged) return 0;
-  return kd::launch_verify_combine(p, B, st, kind != kd::TileKind::WGMMA && d->major == 9);
-}

@@ -18,7 +18,9 @@ constexpr int MAX_SPLITS = 128;  // key splits a request (the combine keeps thei
 struct VerifyParams {
   const __nv_bfloat16* q;
   const __nv_bfloat16* kv;
-  const int32_t* block_table;
+  const int32_t* block_table;  // rows of table_stride entries
+  const int32_t* req_rows;     // request b's row of block_table (NULL: row b)
+  int table_stride;
   const int32_t* seq_lens;
   const void* vis;
   int vis_bits;
@@ -79,6 +81,11 @@ template <class F>
 __device__ __forceinline__ void with_vis_format(const VerifyParams& p, F f) {
   if (p.vis_bits) f(std::true_type{});
   else f(std::false_type{});
+}
+
+// Request b's row of the block table (SGLang's req_to_token[req_pool_indices[b]]).
+__device__ __forceinline__ const int32_t* request_table(const VerifyParams& p, int b) {
+  return p.block_table + (size_t)(p.req_rows ? p.req_rows[b] : b) * p.table_stride;
 }
 
 // Request b's key count, clamped to its block table so a bad length cannot read past it
@@ -174,18 +181,25 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool dependent);
 
 // The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):
-// its launcher (`merged`: the splits merged in the kernel, so no combine follows), shared
-// memory a CTA, the copy path R rows and this page size take (0: cp.async, else the TMA
-// cluster size), CTAs resident at once on that path, whether a launch of B requests with
-// these splits merges them in clusters, and kd_verify_set_path's switches (2: cp.async
-// copy, 3: no cluster merge).
-int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged);
+// its launcher (copy and merge as planned; `merged`: the splits merged in the kernel, so
+// no combine follows), shared memory a CTA, the copy path R rows and this page size take
+// (0: cp.async, else the TMA cluster size), CTAs resident at once on that path, and whether
+// a launch of B requests with these splits merges them in clusters. `path`: KD_VERIFY_*.
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged);
 size_t verify_wgmma_smem_bytes();
-int verify_wgmma_copy_path(int R, int page_size);
-int verify_wgmma_wave(int R, int page_size, int* ctas);
-bool verify_wgmma_merges(int B, int R, int page_size, int num_splits);
-void verify_wgmma_set_path(int path);
-// Its tile: query rows per CTA and keys per shared-memory tile.
+int verify_wgmma_copy_path(int R, int page_size, int path);
+int verify_wgmma_wave(int copy, int* ctas);
+bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path);
+// The mma.sync kernel's host side (verify_attention.cu): the rows a CTA takes for R query
+// rows on this device, CTAs resident at once with that tile, and its launcher.
+int verify_mma_rows(const DeviceFacts& d, int R);
+int verify_mma_wave(const DeviceFacts& d, int rows, int* ctas);
+int launch_verify_mma(const VerifyParams& p, int rows, int B, cudaStream_t st);
+constexpr int MMA_KEYS = 32;  // keys per shared-memory tile of the mma.sync kernel
+#ifdef KD_VERIFY_PROFILE
+extern long long* g_stamps;  // kd_verify_profile_buffer
+#endif
+// The wgmma kernel's tile: query rows per CTA and keys per shared-memory tile.
 constexpr int WGMMA_ROWS = 64;
 constexpr int WGMMA_KEYS = 64;
 

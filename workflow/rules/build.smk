@@ -5,7 +5,7 @@ import shlex
 
 rule build_kernels:
     input:
-        sources=sorted(glob.glob("kernels/src/*")),
+        sources=sorted(glob.glob("kernels/src/**/*.cu*", recursive=True)),
         header="kernels/include/kdtree.h",
         builder="kdtree/build.py",
     output:

@@ -1,6 +1,6 @@
 import os
 
-PLOT_CODE = ["kdtree/figures.py", "kdtree/report.py", "kdtree/breakdown.py"]
+PLOT_CODE = ["kdtree/harness/figures.py", "kdtree/harness/report.py", "kdtree/harness/breakdown.py"]
 
 
 rule report:

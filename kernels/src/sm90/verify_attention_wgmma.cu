@@ -4,7 +4,7 @@
 // TMA needs a page size that is a multiple of 64 (a 64-key tile is then one slab of one
 // page), a 16-byte aligned cache (kd_verify_attention refuses any other) and the driver's
 // tensor-map encoder, fetched through the runtime (cudaGetDriverEntryPointByVersion:
-// nothing links libcuda). Otherwise, or when the caller forces it (kd_verify_set_path(2)),
+// nothing links libcuda). Otherwise, or when the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC),
 // warpgroup 1 copies by cp.async.
 // Clusters: multicast to pairs of row tiles pays only where many row tiles share each
 // key tile (H200, same-run A/B, B 16: +1-2% of the roofline at 16-64 row tiles, -2 to -8%
@@ -15,7 +15,7 @@
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
 // shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once (H200:
 // 66 clusters of 2); the merge takes precedence over pairs. Otherwise, or when the
-// caller forces it (kd_verify_set_path(3)), the splits write bf16 partials for the
+// plan asks for it (KD_VERIFY_WGMMA_COMBINE), the splits write bf16 partials for the
 // combine kernel.
 #include <atomic>
 
@@ -78,12 +78,9 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   return true;
 }
 
-int g_cp_async_only = 0;  // kd_verify_set_path(2): the cp.async path even where TMA fits
-int g_no_merge = 0;       // kd_verify_set_path(3): splits through the combine kernel
-
 // The path for R query rows and this page size: COPY_CP_ASYNC or a TMA cluster size.
-int copy_path(int R, int page_size, int64_t rows) {
-  if (g_cp_async_only || page_size % 64 != 0 || rows >= (int64_t{1} << 31) || !encoder())
+int copy_path(int R, int page_size, int64_t rows, int path) {
+  if (path == KD_VERIFY_WGMMA_CP_ASYNC || page_size % 64 != 0 || rows >= (int64_t{1} << 31) || !encoder())
     return COPY_CP_ASYNC;
   constexpr int PAIRS_FROM_ROW_TILES = 16;
   const int row_tiles = ceil_div(R, WGMMA_ROWS);
@@ -110,24 +107,19 @@ int merge_clusters(int dev, int splits) {
 
 }  // namespace
 
-void verify_wgmma_set_path(int path) {
-  g_cp_async_only = path == 2;
-  g_no_merge = path == 3;
-}
+int verify_wgmma_copy_path(int R, int page_size, int path) { return copy_path(R, page_size, 0, path); }
 
-int verify_wgmma_copy_path(int R, int page_size) { return copy_path(R, page_size, 0); }
-
-int verify_wgmma_wave(int R, int page_size, int* ctas) {
-  switch (copy_path(R, page_size, 0)) {
+int verify_wgmma_wave(int copy, int* ctas) {
+  switch (copy) {
     case 1: return verify_wgmma_path_wave<1, false>(1, ctas);
     case 2: return verify_wgmma_path_wave<2, false>(1, ctas);
     default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
   }
 }
 
-bool verify_wgmma_merges(int B, int R, int page_size, int num_splits) {
-  if (g_no_merge || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
-      copy_path(R, page_size, 0) == COPY_CP_ASYNC)
+bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
+  if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
+      copy_path(R, page_size, 0, path) == COPY_CP_ASYNC)
     return false;
   const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
   int dev = 0;
@@ -135,13 +127,15 @@ bool verify_wgmma_merges(int B, int R, int page_size, int num_splits) {
   return row_tiles <= merge_clusters(dev, num_splits);
 }
 
-int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, bool* merged) {
+// The plan's copy path, unless the cache is too large for a tensor map or its map cannot be
+// encoded: then cp.async, and the splits (if any) go to the combine kernel.
+int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged) {
   CUtensorMap map = {};
-  int path = copy_path(p.R, p.page_size, (int64_t)p.num_pages * p.page_size);
-  if (path != COPY_CP_ASYNC && !kv_map(p, &map)) path = COPY_CP_ASYNC;
-  *merged = path != COPY_CP_ASYNC && verify_wgmma_merges(B, p.R, p.page_size, p.num_splits);
+  if (copy != COPY_CP_ASYNC && ((int64_t)p.num_pages * p.page_size >= (int64_t{1} << 31) || !kv_map(p, &map)))
+    copy = COPY_CP_ASYNC;
+  *merged = copy != COPY_CP_ASYNC && merge;
   if (*merged) return launch_verify_wgmma_path<1, true>(p, map, B, st);
-  switch (path) {
+  switch (copy) {
     case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
     case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);
     default: return launch_verify_wgmma_path<COPY_CP_ASYNC, false>(p, map, B, st);

@@ -183,7 +183,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
-  const int32_t* table = p.block_table + (size_t)b * p.max_pages;
+  const int32_t* table = request_table(p, b);
   const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask

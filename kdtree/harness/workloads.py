@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import QK_DIM
-from .tree import stage_a
+from ..reference.attention import QK_DIM
+from ..reference.tree import stage_a
 
 
 def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0.3) -> torch.Tensor:

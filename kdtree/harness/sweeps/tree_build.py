@@ -7,7 +7,7 @@ import numpy as np
 
 from ..gpu import cuda_available, ensure_fits
 from ..timing import time_cpu, time_eager_latency, time_graph
-from ..tree import build_tree
+from ...reference.tree import build_tree
 from ..workloads import stage_a_inputs
 from .runner import run_sweep
 
@@ -45,16 +45,16 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
         return rows
     import torch
 
-    from .. import ops
+    from ... import ops
 
     D = budget + 1
     ensure_fits(B * (D * D * 2 + D * 64) + lp.numel() * 12, cfg["gpu_mem_cap_gb"])
     lp_d, ids_d = lp.cuda(), ids.cuda()
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
-    out = ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D)
+    out = ops.tree_build(lp_d, ids_d, budgets, d_max=D)
     # Requests the kernel could not certify for threshold selection (built by its warp loop).
     warp_loop = int(((out.status & ops.STATUS_WARP_LOOP) != 0).sum())
-    fn = lambda: ops.build_trees_gpu(lp_d, ids_d, budgets, d_max=D, out=out)
+    fn = lambda: ops.tree_build(lp_d, ids_d, budgets, d_max=D, out=out)
     dev = time_graph(fn, replays=cfg["gpu_replays"])
     lat = time_eager_latency(fn, reps=cfg["gpu_replays"])
     tiny = torch.zeros(1, device="cuda")

@@ -15,7 +15,7 @@ from .verify_attn import gpu_case
 def measure_point(p: dict, cfg: dict) -> list[dict]:
     import torch
 
-    from .. import ops
+    from ... import ops
 
     B, budget, H, P = p["batch"], p["budget"], p["heads"], p["prefix"]
     D, L, page = budget + 1, cfg["L"], 64
@@ -26,17 +26,19 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
     q, cache, table, seq, _ = gpu_case(B, D, H, P, page, cfg["seed"] + 17)
     target = torch.randint(0, cfg["vocab"], (B, D), device="cuda")
-    trees = ops.build_trees_gpu(lp, ids, budgets, d_max=D)
-    out, lse = ops.verify_attention(q, cache, table, seq, trees.visibility_bits, cfg["scale"])
+    trees = ops.tree_build(lp, ids, budgets, d_max=D)
+    plan = ops.TreeVerifyPlan(B, D, H, page, table.shape[1])
+    out = plan.run(q, cache, table, seq, trees.visibility_bits, cfg["scale"])
+    acc = ops.TreeAcceptResult.empty(B, L, "cuda")
 
     def build():
-        ops.build_trees_gpu(lp, ids, budgets, d_max=D, out=trees)
+        ops.tree_build(lp, ids, budgets, d_max=D, out=trees)
 
     def verify():
-        ops.verify_attention(q, cache, table, seq, trees.visibility_bits, cfg["scale"], out=out, lse=lse)
+        plan.run(q, cache, table, seq, trees.visibility_bits, cfg["scale"], out=out)
 
     def accept():   # from the build's parents: no sibling walk (sweeps/tree_accept.py)
-        ops.tree_accept_parents(trees.tokens, trees.parents, trees.node_counts, target, L)
+        ops.tree_accept(trees.tokens, target, L, parents=trees.parents, node_counts=trees.node_counts, out=acc)
 
     def round_():
         build(); verify(); accept()
@@ -49,7 +51,7 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
         rows.append(dict(p, impl=f"{name}_graph", **t))
     for r in rows:
         r["sum_of_parts_us"] = parts["build"] + parts["verify"] + parts["accept"]
-    del q, cache, table, seq, trees, out, lse
+    del q, cache, table, seq, trees, out, plan
     torch.cuda.empty_cache()
     return rows
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..gpu import cuda_available
 from ..timing import time_cpu, time_graph
-from ..tree import build_trees, greedy_accept_batch
+from ...reference.tree import build_trees, greedy_accept_batch
 from ..workloads import follow_targets, stage_a_inputs
 from .runner import run_sweep
 
@@ -41,13 +41,16 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
                        for impl in ("gpu_kernel", "gpu_kernel_parents")]
     import torch
 
-    from .. import ops
+    from ... import ops
 
-    t = [torch.as_tensor(a).cuda() for a in args[:4]]
-    dev = time_graph(lambda: ops.tree_accept(*t, L), replays=cfg["gpu_replays"])
+    c, nt, ns, tgt = (torch.as_tensor(a).cuda() for a in args[:4])
+    acc = ops.TreeAcceptResult.empty(B, L, "cuda")
+    dev = time_graph(lambda: ops.tree_accept(c, tgt, L, next_token=nt, next_sibling=ns, out=acc),
+                     replays=cfg["gpu_replays"])
     rows.append(dict(p, impl="gpu_kernel", metric="device_time", mean_accept_len=accepted, **dev))
-    c, par, n, tgt = (torch.as_tensor(a).cuda() for a in (tb.tokens, tb.parents, tb.node_counts, target))
-    dev = time_graph(lambda: ops.tree_accept_parents(c, par, n, tgt, L), replays=cfg["gpu_replays"])
+    par, n = (torch.as_tensor(a).cuda() for a in (tb.parents, tb.node_counts))
+    dev = time_graph(lambda: ops.tree_accept(c, tgt, L, parents=par, node_counts=n, out=acc),
+                     replays=cfg["gpu_replays"])
     rows.append(dict(p, impl="gpu_kernel_parents", metric="device_time", mean_accept_len=accepted, **dev))
     return rows
 

@@ -12,7 +12,8 @@ import socket
 import subprocess
 import uuid
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The project the pipeline runs in: its working directory (the checkout Snakemake runs from).
+ROOT = pathlib.Path(os.environ.get("KDTREE_PROJECT_ROOT", os.getcwd())).resolve()
 
 
 def _git(*args: str) -> str:

@@ -51,6 +51,8 @@ def check_container(def_path, constraints_path, readme_path) -> list[str]:
     post = sec.get("%post", "")
     if "-c /opt/kdtree/constraints.txt" not in post:
         problems.append("%post: the project must be installed with -c constraints.txt (the repo's lock)")
+    if re.search(r"pip install[^\n]* -e ", post):
+        problems.append("%post: install kdtree as a package, not editable (-e): the image must not need its sources")
     if "venv" not in post:
         problems.append("%post: Python packages must go into a venv (Ubuntu 24.04 refuses system pip)")
     test_cmd = readme_test_command(pathlib.Path(readme_path).read_text())

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .checks import InputError, check_dtype, check_int, check_log_probs, check_ndim, to_numpy
+from ..checks import InputError, check_dtype, check_int, check_log_probs, check_ndim, to_numpy
 from .tree import MAX_BUDGET
 
 

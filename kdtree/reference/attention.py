@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .checks import InputError
+from ..checks import InputError
 
 LATENT_DIM = 512
 ROPE_DIM = 64

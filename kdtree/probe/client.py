@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 
-from .provenance import new_run_id, provenance
-from .results import write_parquet_atomic
+from ..harness.provenance import new_run_id, provenance
+from ..harness.results import write_parquet_atomic
+from . import add_arguments  # noqa: F401  (the CLI's arguments live beside the package's doc)
 
 BUILTIN_PROMPTS = [  # varied lengths: code, math, chat
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -360,21 +361,6 @@ def probe_to_parquet(cfg: ProbeConfig, out, summary_out=None) -> str:
     summary_out = summary_out or pathlib.Path(out).with_name(pathlib.Path(out).stem + "_summary.parquet")
     write_parquet_atomic(pd.DataFrame([dict(summary, **extra)]), summary_out)
     return msg
-
-
-def add_arguments(p):
-    p.add_argument("--url", required=True, help="SGLang base URL, e.g. http://127.0.0.1:30000")
-    p.add_argument("--out", required=True, help="per-request Parquet; a _summary.parquet goes beside it")
-    p.add_argument("--requests", type=int, default=8)
-    p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--prompts", help="file: one prompt per line, or JSON lines with 'text'")
-    p.add_argument("--timeout", type=float, default=60.0, help="per-request timeout (s)")
-    p.add_argument("--max-wall", type=float, default=300.0, help="bound on the whole run (s)")
-    p.add_argument("--max-consecutive-failures", type=int, default=3)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--record-failure", action="store_true",
-                   help="exit 0 when the service cannot be probed, with the failure as a row")
 
 
 def main(args) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from ..attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
+from ...reference.attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
 from ..gpu import ensure_fits, measure_ceilings
 from ..timing import time_events, time_graph
 from .runner import run_sweep
@@ -59,7 +59,7 @@ def sdpa_baseline(q, cache, table, seq, vis, scale):
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     import torch
 
-    from .. import ops
+    from ... import ops
 
     B, D, H, P, page = p["batch"], p["D"], p["heads"], p["prefix"], p["page_size"]
     S = P + D
@@ -67,7 +67,6 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
             + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
     ensure_fits(need, cfg["gpu_mem_cap_gb"])
     q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P)
-    max_seq = table.shape[1] * page  # the launch's key range, as ops.verify_attention sees it
     scale = cfg["scale"]
     # Rotate through enough cache copies that one pass over them exceeds twice the L2, so a
     # replay reads HBM as a real decode step does (spec pipeline.md: never time the cache).
@@ -75,27 +74,30 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     copies = max(1, min(128, math.ceil(2 * l2 / max(cache.numel() * 2, 1))))
     ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
     caches = [cache] + [cache.clone() for _ in range(copies - 1)]
-    out, lse = ops.verify_attention(q, cache, table, seq, vis, scale)
-    turn = iter(range(1 << 30))
-    fn = lambda: ops.verify_attention(q, caches[next(turn) % copies], table, seq, vis, scale,
-                                      out=out, lse=lse)
+    out = ops.tree_verify(q, cache, table, seq, vis, scale)
     inner = copies * max(1, math.ceil(cfg["graph_inner"] / copies))
-    t = time_graph(fn, replays=cfg["gpu_replays"], inner=inner)
+
+    def timed(kernel):
+        turn = iter(range(1 << 30))
+        fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, scale, kernel=kernel,
+                                     out=out)
+        return time_graph(fn, replays=cfg["gpu_replays"], inner=inner)
+
+    def plan(kernel):  # what tree_verify runs for this shape (its plan is kept per shape)
+        return ops.TreeVerifyPlan(B, D, H, page, table.shape[1], kernel=kernel)
     fl = floor_us(B, D, H, P)
     nbytes = attention_bytes(B, D, H, P)
     base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), cache_copies=copies,
                 **ceilings)
-    def kernel_row(impl, kernel, t):  # called while the path it timed is still set
-        splits = ops.choose_splits(B, D * H, max_seq, "cuda", page)
-        merge = ops.split_merge(B, D * H, splits, "cuda", page, max_seq)
-        if merge == "cluster":  # clusters of splits, so no pairs of row tiles
-            kernel = "wgmma_tma"
-        return dict(base, impl=impl, kernel=kernel, roofline_fraction=fl / t["median_us"],
+    def kernel_row(impl, kernel):
+        pl, t = plan(kernel), timed(kernel)
+        name = "wgmma_tma" if pl.merge == "cluster" else pl.name  # clusters of splits, so no pairs
+        return dict(base, impl=impl, kernel=name, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
-                    num_splits=splits, split_merge=merge, **t)
+                    num_splits=pl.num_splits, split_merge=pl.merge, **t)
 
-    kernel = ops.verify_kernel(D * H, "cuda", page, B, max_seq)
-    rows = [kernel_row("kdtree_kernel", kernel, t)]
+    rows = [kernel_row("kdtree_kernel", "auto")]
+    kernel = rows[0]["kernel"]
     # A/Bs in the same run on the same inputs: the mma.sync kernel other GPUs (sm_120) run;
     # where the wgmma kernel copies keys by TMA, its cp.async copy; where its splits merge
     # in clusters, the combine kernel instead.
@@ -107,12 +109,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     if rows[0]["split_merge"] == "cluster" and cfg.get("compare_merge", True):
         others.append("wgmma_combine")
     for path in others:
-        old = ops.set_verify_path(path)
-        try:
-            rows.append(kernel_row(f"kdtree_{path}", ops.verify_kernel(D * H, "cuda", page, B, max_seq),
-                                   time_graph(fn, replays=cfg["gpu_replays"], inner=inner)))
-        finally:
-            ops.set_verify_path(old)
+        rows.append(kernel_row(f"kdtree_{path}", path))
     sdpa_elems = B * D * H * S
     if sdpa_elems > cfg["sdpa_max_elems"]:
         rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped",
@@ -126,7 +123,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
             rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped", reason=f"OOM: {e}"[:300]))
         finally:
             torch.cuda.empty_cache()
-    del q, cache, caches, table, seq, vis, out, lse
+    del q, cache, caches, table, seq, vis, out
     torch.cuda.empty_cache()
     return rows
 

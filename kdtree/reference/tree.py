@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .checks import (InputError, check_dtype, check_int, check_log_probs, check_ndim,
+from ..checks import (InputError, check_dtype, check_int, check_log_probs, check_ndim,
                      to_numpy)
 
 MAX_BUDGET = 1024

@@ -10,8 +10,8 @@ import xml.etree.ElementTree as ET
 
 import pandas as pd
 
-from .provenance import ROOT, new_run_id, provenance
-from .results import write_parquet_atomic
+from ..harness.provenance import ROOT, new_run_id, provenance
+from ..harness.results import write_parquet_atomic
 
 
 def junit_rows(xml_path) -> list[dict]:

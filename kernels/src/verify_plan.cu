@@ -1,0 +1,148 @@
+// Tree-verify attention: the dispatch heuristics (one table) and the C entry points.
+//
+// kd_verify_plan_make decides everything about a launch once per shape; kd_verify_run
+// only checks pointers and launches the plan. The rules, in the order they apply:
+//
+// | choice  | rule                                                                      |
+// |---------|---------------------------------------------------------------------------|
+// | small   | 2 * B * ceil(max_seq / 64) < SMs: too few 32-key tiles to reach every SM  |
+// | kernel  | wgmma where the build has sm_90a, the device is 9.0, its shared memory    |
+// |         | holds the tile, and not (R <= 64 rows in a small launch); else mma.sync   |
+// | rows    | wgmma 64; mma.sync the fewest of 16/32/64 that cover R and fit            |
+// | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists (pairs of row |
+// |         | tiles multicast from 16 row tiles, even counts); else cp.async            |
+// | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
+// |         | tiles else 2), 1..128                                                     |
+// | merge   | 2 splits on the TMA path, >= 16 row tiles, clusters all resident: in the  |
+// |         | kernel; other splits: bf16 partials and the combine kernel                |
+//
+// Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
+#include "verify_common.cuh"
+
+namespace kd {
+namespace {
+
+bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
+  return 2LL * B * ((max_seq + 63) / 64) < d.sms;
+}
+
+bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
+#ifdef KD_HAS_SM90A
+  return path != KD_VERIFY_MMA_SYNC && d.major == 9 && d.minor == 0 && (R > WGMMA_ROWS || !small) &&
+         (size_t)d.smem_optin >= verify_wgmma_smem_bytes();
+#else
+  (void)d; (void)R; (void)small; (void)path;
+  return false;
+#endif
+}
+
+// One wave of CTAs over B requests' row tiles; each split keeps one key tile where the
+// launch has one or two row tiles a request (re-reading Q is cheap there), else two.
+int choose_splits(int B, int row_tiles, long long max_seq, int keys, int wave) {
+  const long long ctas = (long long)B * row_tiles;
+  const long long want = wave / (ctas > 0 ? ctas : 1);
+  const long long tiles = (max_seq + keys - 1) / keys;
+  const long long per = row_tiles <= 2 ? 1 : 2;
+  long long s = want < tiles / per ? want : tiles / per;
+  if (s > MAX_SPLITS) s = MAX_SPLITS;
+  return s < 1 ? 1 : (int)s;
+}
+
+}  // namespace
+}  // namespace kd
+
+extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_pages, int path, int num_splits,
+                                   kd_verify_plan* plan) {
+  if (!plan || B < 0 || D < 1 || H < 1 || page_size < 1 || max_pages < 1 || path < KD_VERIFY_AUTO ||
+      path > KD_VERIFY_WGMMA_COMBINE || num_splits < 0 || num_splits > kd::MAX_SPLITS ||
+      (long long)D * H > (1 << 30))
+    return KD_ERR_ARGUMENT;
+  const kd::DeviceFacts* d = nullptr;
+  int rc = kd::device_facts(&d);
+  if (rc) return rc;
+  kd_verify_plan pl = {};
+  pl.B = B; pl.D = D; pl.H = H; pl.page_size = page_size; pl.max_pages = max_pages; pl.path = path;
+  pl.device = d->device;
+  const int R = D * H;
+  const long long max_seq = (long long)max_pages * page_size;
+  pl.small_launch = kd::small_launch(*d, B, max_seq);
+  int wave = 0;
+  if (kd::takes_wgmma(*d, R, pl.small_launch, path)) {
+#ifdef KD_HAS_SM90A
+    pl.kernel = 1;
+    pl.rows_per_cta = kd::WGMMA_ROWS;
+    pl.keys_per_tile = kd::WGMMA_KEYS;
+    pl.copy = kd::verify_wgmma_copy_path(R, page_size, path);
+    rc = kd::verify_wgmma_wave(pl.copy, &wave);
+#endif
+  } else {
+    pl.kernel = 0;
+    pl.rows_per_cta = kd::verify_mma_rows(*d, R);
+    pl.keys_per_tile = kd::MMA_KEYS;
+    pl.copy = 0;
+    rc = kd::verify_mma_wave(*d, pl.rows_per_cta, &wave);
+  }
+  if (rc) return rc;
+  const int row_tiles = kd::ceil_div(R, pl.rows_per_cta);
+  pl.num_splits = num_splits > 0 ? num_splits
+                                  : kd::choose_splits(B, row_tiles, max_seq, pl.keys_per_tile, wave > 0 ? wave : 1);
+  pl.merge = 0;
+  if (pl.num_splits > 1) {
+    pl.merge = 2;
+#ifdef KD_HAS_SM90A
+    if (pl.kernel == 1 && kd::verify_wgmma_merges(B, R, page_size, pl.num_splits, path)) pl.merge = 1;
+#endif
+  }
+  *plan = pl;
+  return 0;
+}
+
+extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const void* kv_cache, int num_pages,
+                             const int32_t* block_table, int table_stride, const int32_t* req_rows,
+                             const int32_t* seq_lens, const void* visibility, int vis_bits, float scale,
+                             void* out, float* lse, void* partial_out, float* partial_lse, void* stream) {
+  if (!plan || num_pages < 1 || table_stride < plan->max_pages || plan->num_splits < 1 ||
+      plan->num_splits > kd::MAX_SPLITS)
+    return KD_ERR_ARGUMENT;
+  if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
+  const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
+  if (misaligned(q) || misaligned(kv_cache) || misaligned(out) || misaligned(partial_out)) return KD_ERR_ARGUMENT;
+  const kd::DeviceFacts* d = nullptr;
+  int rc = kd::device_facts(&d);
+  if (rc) return rc;
+  if (d->device != plan->device) return KD_ERR_ARGUMENT;  // a plan is made for one device
+  if (plan->B == 0) return 0;
+  kd::VerifyParams p;
+  p.q = static_cast<const __nv_bfloat16*>(q);
+  p.kv = static_cast<const __nv_bfloat16*>(kv_cache);
+  p.block_table = block_table;
+  p.req_rows = req_rows;
+  p.table_stride = table_stride;
+  p.seq_lens = seq_lens;
+  p.vis = visibility;
+  p.vis_bits = vis_bits;
+  p.D = plan->D; p.H = plan->H; p.R = plan->D * plan->H;
+  p.page_size = plan->page_size; p.num_pages = num_pages; p.max_pages = plan->max_pages;
+  p.num_splits = plan->num_splits;
+  p.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __builtin_ctz((unsigned)p.page_size) : -1;
+  p.scale_log2 = scale * kd::LOG2E;
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.lse = lse;
+  p.part_out = static_cast<__nv_bfloat16*>(partial_out);
+  p.part_lse = partial_lse;
+#ifdef KD_VERIFY_PROFILE
+  p.stamps = kd::g_stamps;
+#endif
+  cudaStream_t st = (cudaStream_t)stream;
+  bool merged = false;  // the splits merged in the attention kernel (clusters on Hopper)
+#ifdef KD_HAS_SM90A
+  if (plan->kernel == 1) rc = kd::launch_verify_wgmma(p, plan->B, st, plan->copy, plan->merge == 1, &merged);
+  else
+#endif
+    rc = kd::launch_verify_mma(p, plan->rows_per_cta, plan->B, st);
+  if (rc) return rc;
+  // The combine runs as a programmatic dependent after the mma.sync kernel on Hopper only
+  // (measured faster there, mixed after the wgmma kernel, not measured on sm_120).
+  if (plan->num_splits == 1 || merged) return 0;
+  return kd::launch_verify_combine(p, plan->B, st, plan->kernel == 0 && d->major == 9);
+}

@@ -1,0 +1,45 @@
+"""Packaging with the CUDA kernels: their sources travel in the package (kdtree/_kernels),
+and where nvcc is present the library is compiled at install time (kdtree/_lib), so an
+installed kdtree never reads a checkout. Without nvcc (or with KDTREE_BUILD_KERNELS=0) the
+library is compiled on first use into the per-user cache instead (kdtree/loader.py)."""
+import importlib.util
+import os
+import pathlib
+import shutil
+import sys
+
+from setuptools import Distribution, setup
+from setuptools.command.build_py import build_py
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+class BuildPy(build_py):
+    def run(self):
+        super().run()
+        pkg = pathlib.Path(self.build_lib) / "kdtree"
+        shutil.rmtree(pkg / "_kernels", ignore_errors=True)
+        shutil.copytree(ROOT / "kernels", pkg / "_kernels", ignore=shutil.ignore_patterns("*.md"))
+        if os.environ.get("KDTREE_BUILD_KERNELS", "1") == "0":
+            print("kdtree: KDTREE_BUILD_KERNELS=0: the kernels compile on first use", file=sys.stderr)
+            return
+        # kdtree/build.py alone (the package imports torch, which a build environment lacks).
+        spec = importlib.util.spec_from_file_location("_kdtree_build", ROOT / "kdtree" / "build.py")
+        kbuild = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(kbuild)
+        try:
+            kbuild.find_nvcc()
+        except RuntimeError as e:
+            print(f"kdtree: {e}; the kernels compile on first use instead", file=sys.stderr)
+            return
+        lib = kbuild.build(pathlib.Path(self.get_finalized_command("build").build_temp) / "kernels")
+        (pkg / "_lib").mkdir(exist_ok=True)
+        shutil.copy2(lib, pkg / "_lib" / lib.name)
+
+
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self):  # a platform wheel: it may hold libkdtree.so
+        return True
+
+
+setup(cmdclass={"build_py": BuildPy}, distclass=BinaryDistribution)
