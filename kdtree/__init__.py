@@ -19,6 +19,7 @@ from .reference import softmax_scale, stage_a
 from .reference import tree_accept as tree_accept_ref
 from .reference import tree_build as tree_build_ref
 from .reference import tree_verify as tree_verify_ref
+from . import torch_ops  # noqa: E402,F401  (registers torch.ops.kdtree.*)
 
 try:
     __version__ = _metadata.version("kdtree")

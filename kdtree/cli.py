@@ -120,6 +120,20 @@ def cmd_check(args):
     print(f"check {args.what}: ok")
 
 
+def cmd_config_doc(args):
+    from .tools.config_doc import generate
+    text = generate(".")
+    out = pathlib.Path("config/README.md")
+    if args.check:
+        if not out.exists() or out.read_text() != text:
+            sys.exit("config/README.md is out of date: run `python -m kdtree config-doc`")
+        print("config/README.md: up to date")
+        return
+    from .harness.results import write_text_atomic
+    write_text_atomic(text, out)
+    print(f"config-doc -> {out}")
+
+
 def cmd_probe(args):
     from .probe.client import main as probe_main
     sys.exit(probe_main(args))
@@ -180,6 +194,9 @@ def parser() -> argparse.ArgumentParser:
     from .probe import add_arguments
     add_arguments(pr)
     pr.set_defaults(fn=cmd_probe)
+    cd = sub.add_parser("config-doc", help="write config/README.md from the config schema")
+    cd.add_argument("--check", action="store_true", help="fail if config/README.md is out of date")
+    cd.set_defaults(fn=cmd_config_doc)
     i = sub.add_parser("info", help="what this machine has")
     i.set_defaults(fn=cmd_info)
     return p

@@ -6,7 +6,7 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
-from .results import read_ok_rows
+from .results import read_ok_rows, write_text_atomic
 from .targets import check_targets
 
 
@@ -59,9 +59,5 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
     if skipped:
         parts += ["## Not rendered", ""] + [f"- {s}" for s in skipped] + [""]
     text = "\n".join(parts)
-    out = pathlib.Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(out)
+    write_text_atomic(text, out_path)
     return text

@@ -24,17 +24,29 @@ def read_ok_rows(path) -> pd.DataFrame | None:
     return ok_rows(pd.read_parquet(path)) if path.exists() else None
 
 
-def write_parquet_atomic(df: pd.DataFrame, path) -> None:
+def write_atomic(path, write) -> None:
+    """write(tmp_path) into a temporary file beside `path`, then one rename: a reader sees
+    the old file or the whole new one. Mode 0644, as the committed results have (mkstemp
+    makes 0600)."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        df.to_parquet(tmp, index=False)
+        write(tmp)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         pathlib.Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_parquet_atomic(df: pd.DataFrame, path) -> None:
+    write_atomic(path, lambda tmp: df.to_parquet(tmp, index=False))
+
+
+def write_text_atomic(text: str, path) -> None:
+    write_atomic(path, lambda tmp: pathlib.Path(tmp).write_text(text))
 
 
 class ResumableSweep:

@@ -1,0 +1,77 @@
+"""The library as a user imports it: one public API, torch ops with fake implementations,
+and (in CI, KDTREE_EXPECT_INSTALLED=1) a package installed from the checkout, not the
+checkout itself."""
+import os
+import pathlib
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kdtree
+from kdtree.tools.gpu_tests import gate
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_every_public_name_resolves():
+    assert kdtree.__version__
+    for name in kdtree.__all__:
+        assert hasattr(kdtree, name), name
+    # one naming scheme: the three ops and their references
+    for op in ("tree_build", "tree_verify", "tree_accept"):
+        assert callable(getattr(kdtree, op)) and callable(getattr(kdtree, op + "_ref"))
+
+
+@pytest.mark.skipif(os.environ.get("KDTREE_EXPECT_INSTALLED") != "1", reason="only where CI installed kdtree")
+def test_imported_from_the_installed_package():
+    here = pathlib.Path(kdtree.__file__).resolve()
+    assert ROOT not in here.parents, f"kdtree imported from the checkout: {here}"
+    from kdtree import build, loader
+    assert (pathlib.Path(build.KERNELS) / "include" / "kdtree.h").exists()   # sources travel along
+    assert ROOT not in pathlib.Path(build.KERNELS).resolve().parents
+    if loader.PACKAGED_LIB.exists():   # compiled at install time (nvcc present)
+        assert loader.library_path() == loader.PACKAGED_LIB or os.environ.get("KDTREE_LIB")
+
+
+def test_torch_ops_are_registered_with_fake_implementations():
+    """Shapes and dtypes without a GPU (what torch.compile traces with)."""
+    with FakeTensorMode():
+        B, L, K, D, H = 3, 15, 64, 65, 8
+        lp = torch.empty(B, L, K, device="cuda")
+        ids = torch.empty(B, L, K, dtype=torch.int64, device="cuda")
+        budgets = torch.empty(B, dtype=torch.int32, device="cuda")
+        r = torch.ops.kdtree.tree_build(lp, ids, budgets, None, None, D)
+        assert [tuple(t.shape) for t in r] == [(B,)] + [(B, D)] * 6 + [(B, D, 3), (B,)]
+        assert r[3].dtype == torch.int32 and r[1].dtype == torch.int64 and r[7].dtype == torch.int32
+        q = torch.empty(B, D, H, 576, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(10, 64, 576, dtype=torch.bfloat16, device="cuda")
+        table = torch.empty(B, 4, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.kdtree.tree_verify(q, cache, table, budgets, r[7], 0.130861)
+        assert out.shape == (B, D, H, 512) and out.dtype == torch.bfloat16
+        assert lse.shape == (B, D, H) and lse.dtype == torch.float32
+        idx, n, bonus = torch.ops.kdtree.tree_accept(r[1], r[1], 15, r[3], r[0])
+        assert idx.shape == (B, 16) and idx.dtype == torch.int32 and n.shape == (B,) and bonus.dtype == torch.int64
+
+
+def test_gpu_test_gate_fails_when_nothing_ran():
+    row = lambda outcome: {"test_id": "t", "outcome": outcome, "duration_s": 0.0, "message": "no CUDA device"}
+    assert gate([], 5) == 1                                   # none collected
+    assert gate([row("skipped")] * 3, 0) == 1                 # all skipped
+    assert gate([row("skipped"), row("passed")], 0) == 0
+    assert gate([row("failed"), row("passed")], 1) == 0       # failures are rows: the sweeps refuse them
+    assert gate([row("passed")], 2) == 2                      # pytest itself broke
+
+
+def test_config_schema_is_closed_documented_and_its_readme_current():
+    import yaml
+
+    from kdtree.tools.config_doc import generate, undocumented
+
+    schema = yaml.safe_load((ROOT / "workflow/schemas/config.schema.yaml").read_text())
+    assert undocumented(schema) == []
+    assert schema.get("additionalProperties") is False
+    assert (ROOT / "config/README.md").read_text() == generate(ROOT), "run `python -m kdtree config-doc`"
+    # the checker catches what it should
+    bad = {"properties": {"a": {"type": "object", "description": "x", "properties": {"b": {"type": "integer"}}}}}
+    assert undocumented(bad) == ["a: accepts unknown keys", "a.b: no description"]
