@@ -17,13 +17,24 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
     "verify_attn": {"heads": [8], "slots": [16], "prefixes": [4096], "batches": [16], "page_sizes": [64],
                     "scale": 0.130861, "seed": 0, "gpu_replays": 20, "graph_inner": 5,
                     "gpu_mem_cap_gb": 8.0, "sdpa_max_elems": 2e9},
+    "worker_round": {"batches": [1, 16], "budgets": [64], "prefixes": [8192], "heads": [8], "L": 15,
+                     "vocab": 8192, "scale": 0.130861, "seed": 0, "cpu_reps": 3, "gpu_replays": 20,
+                     "gpu_mem_cap_gb": 8.0},
+    "op_latency": {"batches": [1, 16], "budget": 64, "heads": 8, "prefix": 8192, "L": 15, "scale": 0.130861,
+                   "reps": 50, "gpu_mem_cap_gb": 8.0},
 }
 
 
 def _cfg(args, section: str) -> dict:
     cfg = dict(DEFAULTS[section])
     if args.cfg_json:
-        cfg.update(json.loads(args.cfg_json))
+        try:
+            given = json.loads(args.cfg_json)
+        except json.JSONDecodeError as e:
+            sys.exit(f"--cfg-json: expected the sweep's config section as a JSON object: {e}")
+        if not isinstance(given, dict):
+            sys.exit(f"--cfg-json: expected a JSON object, got {type(given).__name__}")
+        cfg.update(given)
     return cfg
 
 
@@ -53,23 +64,16 @@ def cmd_sweep(args):
     if args.library:
         import os
         os.environ["KDTREE_LIB"] = str(pathlib.Path(args.library).resolve())
-    if args.which == "tree-build":
-        from .harness.sweeps import tree_build as m
-        df = m.run(_cfg(args, "tree_build"), args.out, gpu=None if not args.cpu_only else False,
-                   library=args.library)
-    elif args.which == "tree-accept":
-        from .harness.sweeps import tree_accept as m
-        df = m.run(_cfg(args, "tree_accept"), args.out, gpu=None if not args.cpu_only else False,
-                   library=args.library)
-    else:
+    from .harness.sweeps import SWEEPS, load
+    spec = SWEEPS[args.which]
+    m = load(args.which)
+    cfg = _cfg(args, spec.module)
+    if spec.gpu_only:
         if not cuda_available():
             sys.exit(f"sweep {args.which}: needs a CUDA device (none found); the pipeline skips it on CPU")
-        if args.which == "round":
-            from .harness.sweeps import round as m
-            df = m.run(_cfg(args, "round"), args.out, library=args.library)
-        else:
-            from .harness.sweeps import verify_attn as m
-            df = m.run(_cfg(args, "verify_attn"), args.out, library=args.library)
+        df = m.run(cfg, args.out, library=args.library)
+    else:
+        df = m.run(cfg, args.out, gpu=None if not args.cpu_only else False, library=args.library)
     bad = df[df.status != "ok"] if "status" in df else df.iloc[0:0]
     print(f"{args.which}: {len(df)} rows -> {args.out}"
           + (f" ({len(bad)} not ok: {sorted(set(bad.status))})" if len(bad) else ""))
@@ -156,7 +160,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--extra-flags", help="more nvcc flags, one string (e.g. '-Xptxas -v')")
     b.set_defaults(fn=cmd_build)
     s = sub.add_parser("sweep", help="run one kernel sweep into Parquet")
-    s.add_argument("which", choices=["tree-build", "tree-accept", "verify-attn", "round"])
+    from .harness.sweeps import SWEEPS
+    s.add_argument("which", choices=list(SWEEPS))
     s.add_argument("--out", required=True)
     s.add_argument("--cfg-json", help="the sweep's config section as JSON")
     s.add_argument("--library", help="libkdtree.so to use (default: build/kernels)")

@@ -47,6 +47,7 @@ _ABI = {
     "kd_verify_plan_make": [_I] * 7 + [ctypes.POINTER(KdVerifyPlan)],
     "kd_verify_run": [ctypes.POINTER(KdVerifyPlan), _P, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_float,
                       _P, _P, _P, _P, _P],
+    "kd_sglang_custom_mask": [_P, _P, _P, _I, _I, ctypes.c_int64, _P, _P],
 }
 
 

@@ -846,3 +846,36 @@ def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_sp
         assert not torch.isnan(out).any() and not torch.isnan(lse).any()
         assert (out.double() - ref_o).norm() / ref_o.norm() <= 5e-3
         assert (lse.double() - ref_l).abs().max() <= 1e-3
+
+
+# ---------------------------------------------------------------- torch ops
+def test_torch_ops_pass_opcheck_and_compile_into_one_graph(ops):
+    """torch.ops.kdtree.*: torch.library.opcheck (schema, fake against real, dispatch) and a
+    round under torch.compile(fullgraph=True) equal to the eager API."""
+    import kdtree.torch_ops  # noqa: F401
+
+    B, L, V, budget, H = 4, 15, 500, 32, 8
+    D = budget + 1
+    lp, ids = (t.to(DEV) for t in stage_a_inputs(B, L, V, budget, seed=11))
+    budgets = torch.full((B,), budget, dtype=torch.int32, device=DEV)
+    case = paged_case([100, 0, 900, 64], D, H, 64, seed=12, device=DEV)
+    target = torch.randint(0, V, (B, D), device=DEV)
+    r = torch.ops.kdtree.tree_build(lp, ids, budgets, None, None, D)
+    torch.library.opcheck(torch.ops.kdtree.tree_build.default, (lp, ids, budgets, None, None, D))
+    vis_args = (case.q, case.kv_cache, case.block_table, case.seq_lens, r[7], SCALE)
+    torch.library.opcheck(torch.ops.kdtree.tree_verify.default, vis_args)
+    torch.library.opcheck(torch.ops.kdtree.tree_accept.default, (r[1], target, L, r[3], r[0]))
+
+    def round_(lp, ids, q, target):
+        t = torch.ops.kdtree.tree_build(lp, ids, budgets, None, None, D)
+        out, lse = torch.ops.kdtree.tree_verify(q, case.kv_cache, case.block_table, case.seq_lens, t[7], SCALE)
+        acc = torch.ops.kdtree.tree_accept(t[1], target, L, t[3], t[0])
+        return (t[1], t[7], out, lse) + tuple(acc)
+
+    compiled = torch.compile(round_, fullgraph=True)
+    got = compiled(lp, ids, case.q, target)
+    trees = ops.tree_build(lp, ids, budgets, d_max=D)
+    vo = ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, trees.visibility_bits, SCALE)
+    acc = ops.tree_accept(trees.tokens, target, L, parents=trees.parents, node_counts=trees.node_counts)
+    for g, w in zip(got, (trees.tokens, trees.visibility_bits, vo.out, vo.lse) + tuple(acc)):
+        assert torch.equal(g, w)

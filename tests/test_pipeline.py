@@ -173,7 +173,7 @@ def test_container_check_catches_drift(tmp_path):
 
 def test_slurm_plan_check():
     plan = ("rule test_correctness:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
-            "rule sweep_round:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
+            "rule sweep_gpu:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
             "rule sweep_verify_attn_shard:\n    resources: tmpdir=/tmp, bench=1, gpu=1\n"
             "rule gather_tree_build:\n    resources: tmpdir=/tmp\n"
             "rule report:\n    resources: tmpdir=/tmp\n")

@@ -136,12 +136,32 @@ def step_breakdown(table: pd.DataFrame, path):
     _save(fig, path)
 
 
+def worker_round(df: pd.DataFrame, path):
+    """SGLang's worker round: the CPU path's parts against the drop-in's graph, per batch."""
+    d = ok_rows(df)
+    if d.empty:
+        return _placeholder(path, "SGLang worker round", "no measured rows")
+    cpu = d[(d.impl == "sglang_cpu_path") & (d.part == "round")].assign(impl="SGLang CPU path")
+    drop = d[d.impl == "kdtree_dropin_graph"].assign(impl="kdtree.sglang drop-in (one graph)")
+    attn = d[d.impl == "kdtree_verify_layer"].assign(impl="kdtree verify attention, one layer")
+    long = pd.concat([cpu, drop, attn])
+    long["ms"] = long.median_us / 1e3
+    g = sns.relplot(long, x="batch", y="ms", hue="impl", style="impl", col="budget", row="prefix", kind="line",
+                    marker="o", height=2.6, aspect=1.3, facet_kws={"sharey": False})
+    g.set(xscale="log", yscale="log")
+    g.set_axis_labels("batch (requests)", "ms per round")
+    g.figure.suptitle(f"SGLang DDTree worker round, CPU path vs drop-in ({_gpu_label(d)})", y=1.02)
+    sns.move_legend(g, "upper left", bbox_to_anchor=(1.0, 1.0))
+    _save(g.figure, path)
+
+
 def render_all(results_dir, fig_dir=None, kernel_times_dir=None) -> list[str]:
     """Render every figure the Parquet files in results_dir support; returns what it skipped."""
     results_dir = pathlib.Path(results_dir)
     fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
     skipped = []
-    for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept)):
+    for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept),
+                     ("worker_round", worker_round)):
         p = results_dir / f"{name}.parquet"
         if p.exists():
             fn(pd.read_parquet(p), fig_dir / f"{name}.png")

@@ -53,6 +53,15 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         parts += ["## One round in one CUDA graph (device time, us)", "",
                   "Build, verify attention and accept captured together, no host sync between them.", "",
                   _md(piv.reset_index()), ""]
+    d = read_ok_rows(rd / "worker_round.parquet")
+    if d is not None:
+        parts += worker_round_section(d)
+    d = read_ok_rows(rd / "op_latency.parquet")
+    if d is not None:
+        piv = d.pivot_table(index=["batch", "op"], columns="impl", values="median_us")
+        parts += ["## Caller latency (one call + synchronize, median us)", "",
+                  "Each op through the Python API and as a registered torch op; `empty_torch_op` is an empty "
+                  "torch op in the same run.", "", _md(piv.reset_index()), ""]
     bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
         parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "", _md(bt), ""]
@@ -61,3 +70,22 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
     text = "\n".join(parts)
     write_text_atomic(text, out_path)
     return text
+
+
+def worker_round_section(d: pd.DataFrame) -> list[str]:
+    """SGLang's worker round: the CPU path (per part) against the drop-in, and one layer of
+    verify attention for scale (K2 has 61 layers)."""
+    keys = ["batch", "budget", "prefix"]
+    cpu = d[d.impl == "sglang_cpu_path"].pivot_table(index=keys, columns="part", values="median_us")
+    cpu.columns = [f"cpu {c} (us)" for c in cpu.columns]
+    other = d[d.impl != "sglang_cpu_path"].pivot_table(index=keys, columns="impl", values="median_us")
+    other.columns = [f"{c} (us)" for c in other.columns]
+    t = cpu.join(other)
+    if "cpu round (us)" in t and "kdtree_dropin_graph (us)" in t:
+        t["round speedup"] = t["cpu round (us)"] / t["kdtree_dropin_graph (us)"]
+    return ["## SGLang DDTree worker round (kdtree.sglang)", "",
+            "The CPU path as the worker runs it (top-k to the host, heapq build per request, padding and upload, "
+            "the [q, P + q] mask built and uploaded, argmax to the host, child-map accept) against the drop-in "
+            "captured in one CUDA graph (`nomask`: without the mask, for kdtree's own verify attention). "
+            "`kdtree_verify_layer`: one layer of tree-verify attention on SGLang's KV metadata (page size 1).", "",
+            _md(t.reset_index(), floatfmt=".4g"), ""]

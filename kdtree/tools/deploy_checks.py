@@ -69,7 +69,7 @@ def check_container(def_path, constraints_path, readme_path) -> list[str]:
 def check_slurm_plan(text: str) -> list[str]:
     """In a dry-run's job list: GPU rules ask for gpu=1, CPU rules for none."""
     problems, rule = [], None
-    gpu_rules = {"test_correctness", "sweep_verify_attn_shard", "sweep_round"}
+    gpu_rules = {"test_correctness", "sweep_verify_attn_shard", "sweep_gpu"}
     cpu_rules = {"gather_tree_build", "gather_verify_attn", "report", "build_kernels"}
     seen = set()
     for line in text.splitlines():

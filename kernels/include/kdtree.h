@@ -100,6 +100,14 @@ int kd_verify_run(const kd_verify_plan* plan, const void* q, const void* kv_cach
                   const int32_t* seq_lens, const void* visibility, int vis_bits, float scale,
                   void* out, float* lse, void* partial_out, float* partial_lse, void* stream);
 
+// SGLang's custom tree mask (spec sglang.md, step 4): per request b a row-major block of
+// bytes [q, P_b + q] at mask + mask_indptr[b], its P_b prefix columns 1 and then the padded
+// visibility u8 [bs, q, q] (pad rows and columns 0). prefix_lens and mask_indptr i64 (bs and
+// bs + 1 entries, mask_indptr[b+1] - mask_indptr[b] = q (P_b + q)); a block that would
+// end past `capacity` bytes is left unwritten. bs <= 65535.
+int kd_sglang_custom_mask(const uint8_t* visibility, const int64_t* prefix_lens, const int64_t* mask_indptr,
+                          int bs, int q, int64_t capacity, uint8_t* mask, void* stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -28,13 +28,16 @@ def _have_nvcc():
 
 
 RD = config["results_dir"].rstrip("/")
+# Unsharded GPU sweeps, one rule (sweep_gpu) for all: their Parquet is RD/<name>.parquet.
+GPU_SWEEPS = ["round", "worker_round", "op_latency"]
 LIB = f"{config['build']['build_dir'].rstrip('/')}/libkdtree.so"
 GPU, NO_GPU_WHY = _use_gpu()
 NVCC = _have_nvcc()
 PROBE = bool(config["probe"]["url"])
 SKIPPED = []
 if not GPU:
-    SKIPPED.append(f"GPU rules (test_correctness, sweep_verify_attn, GPU rows of the sweeps): {NO_GPU_WHY}")
+    SKIPPED.append(f"GPU rules (test_correctness, sweep_verify_attn, sweep_gpu: {', '.join(GPU_SWEEPS)}; "
+                   f"GPU rows of the CPU sweeps): {NO_GPU_WHY}")
 if not NVCC:
     SKIPPED.append("build_kernels: nvcc not found (CUDA 13 on PATH or CUDA_HOME)")
 if not PROBE:
@@ -69,10 +72,18 @@ wildcard_constraints:
     heads=r"\d+",
 
 
+def sweep_code(name):
+    """What a sweep's numbers depend on besides the kernels: its module and the library."""
+    return [f"kdtree/harness/sweeps/{name}.py", "kdtree/harness/sweeps/runner.py", "kdtree/ops.py",
+            "kdtree/reference/tree.py"] + (["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"]
+                                           if name == "worker_round" else [])
+
+
 def parquet_targets():
     t = [f"{RD}/tree_build.parquet", f"{RD}/tree_accept.parquet"]
     if GPU:
-        t += [f"{RD}/test_correctness.parquet", f"{RD}/verify_attn.parquet", f"{RD}/round.parquet"]
+        t += [f"{RD}/test_correctness.parquet", f"{RD}/verify_attn.parquet"]
+        t += [f"{RD}/{n}.parquet" for n in GPU_SWEEPS]
     if PROBE:
         t += [f"{RD}/probe.parquet"]
     return t
@@ -81,7 +92,7 @@ def parquet_targets():
 def figure_names():
     names = ["tree_build", "tree_accept"]
     if GPU:
-        names.append("verify_attn")
+        names += ["verify_attn", "worker_round"]
     if PROBE:
         names.append("step_breakdown")
     return names

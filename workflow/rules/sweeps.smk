@@ -5,6 +5,7 @@
 rule sweep_tree_build_shard:
     input:
         unpack(lambda wc: gpu_inputs()),
+        code=sweep_code("tree_build"),
     output:
         f"{RD}/shards/tree_build/batch{{batch}}.parquet",
     log:
@@ -32,6 +33,7 @@ rule gather_tree_build:
 rule sweep_tree_accept:
     input:
         unpack(lambda wc: gpu_inputs()),
+        code=sweep_code("tree_accept"),
     output:
         f"{RD}/tree_accept.parquet",
     log:
@@ -49,6 +51,7 @@ rule sweep_verify_attn_shard:
     input:
         lib=LIB,
         tests=f"{RD}/test_correctness.parquet",
+        code=sweep_code("verify_attn"),
     output:
         f"{RD}/shards/verify_attn/heads{{heads}}.parquet",
     log:
@@ -73,18 +76,23 @@ rule gather_verify_attn:
         "python3 -m kdtree gather --out {output} {input} > {log} 2>&1"
 
 
-rule sweep_round:
+# The unsharded GPU sweeps (kdtree.harness.sweeps.SWEEPS): one rule for all of them.
+rule sweep_gpu:
     input:
         lib=LIB,
         tests=f"{RD}/test_correctness.parquet",
+        code=lambda wc: sweep_code(wc.name),
     output:
-        f"{RD}/round.parquet",
+        f"{RD}/{{name}}.parquet",
     log:
-        f"{RD}/logs/sweep_round.log",
+        f"{RD}/logs/sweep_{{name}}.log",
+    wildcard_constraints:
+        name="|".join(GPU_SWEEPS),
     params:
-        cfg=sweep_json("sweep_round"),
+        cfg=lambda wc: sweep_json(f"sweep_{wc.name}"),
+        which=lambda wc: wc.name.replace("_", "-"),
     resources:
         **job_resources(True),
     shell:
-        "python3 -m kdtree sweep round --pin-gpu --out {output} --cfg-json {params.cfg} "
+        "python3 -m kdtree sweep {params.which} --pin-gpu --out {output} --cfg-json {params.cfg} "
         "--library {input.lib} --require-tests {input.tests} > {log} 2>&1"

@@ -1,0 +1,263 @@
+"""A drop-in for the CPU parts of SGLang's DDTree decode round (spec sglang.md), on the GPU.
+
+- ``build_ddtree_tree_from_topk``: the worker's builder, same signature and 7-tuple, byte
+  for byte (a CUDA input is built by the GPU kernel).
+- ``RoundBuilder``: the batched round (bs >= 1, per-request budgets, bonus tokens and prefix
+  lengths) written into static buffers in the worker's padded verify layout; with
+  ``custom_mask`` and ``accept`` it runs with no host synchronisation, so the round can be
+  captured in one CUDA graph (the CPU path keeps the worker at batch 1, graphs off).
+- ``custom_mask``: step 4's mask for users who keep SGLang's own attention backend.
+- ``accept``: step 6 from the target's argmax and the retrieve links.
+- ``VerifyAttention``: tree-verify attention on SGLang's KV metadata: the token pool
+  ``[slots, 1, 576]``, ``req_to_token`` read in place through ``req_pool_indices``, q and out
+  in ``[bs * q, H, ...]``.
+- ``patch()``: switch a running worker module over (``KDTREE_SGLANG=1`` does it on import),
+  undoable; see kdtree.sglang.patch.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import ops
+from ..checks import InputError
+from ..loader import lib
+from ..reference.tree import MAX_BUDGET
+from . import reference
+from .patch import Patch, PatchError, patch, patch_from_env, unpatch
+
+__all__ = ["Patch", "PatchError", "RoundBuilder", "VerifyAttention", "VerifyLayout", "AcceptOutput", "accept",
+           "build_ddtree_tree_from_topk", "custom_mask", "patch", "reference", "unpatch"]
+
+
+def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
+    """The worker's ``build_ddtree_tree_from_topk``: the same arguments and the same 7-tuple
+    (CPU tensors and Python lists, as the worker's callers expect). CPU inputs take the
+    heapq build; CUDA inputs are built by the GPU kernel, then copied back (a sync)."""
+    if not (isinstance(top_log_probs, torch.Tensor) and top_log_probs.is_cuda):
+        return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget > MAX_BUDGET:
+        raise InputError(f"budget: expected an integer <= {MAX_BUDGET}, got {budget!r}")
+    if top_log_probs.dim() != 2 or not isinstance(top_token_ids, torch.Tensor) or \
+            top_token_ids.shape != top_log_probs.shape:
+        raise InputError("top_log_probs, top_token_ids: expected two [L, k] tensors of one shape")
+    L = top_log_probs.shape[0]
+    if budget <= 0 or L == 0:
+        return reference._root_only()
+    dev = top_log_probs.device
+    lp = top_log_probs.to(torch.float32).contiguous()[None]
+    ids = top_token_ids.to(device=dev, dtype=torch.int64).contiguous()[None]
+    r = ops.tree_build(lp, ids, torch.tensor([budget], dtype=torch.int32, device=dev), d_max=budget + 1,
+                       dense_visibility=True)
+    st = int(r.status[0])   # sync: the worker's callers want host objects
+    if st & ops.STATUS_NAN_INPUT:
+        raise InputError("top_log_probs: NaN or +inf; log-probs must be finite or -inf")
+    n = int(r.node_counts[0])
+    tokens = r.tokens[0, 1:n + 1].cpu()
+    parents = r.parents[0, :n + 1].tolist()
+    child_maps = [dict() for _ in range(n + 1)]
+    for i, t in enumerate(tokens.tolist(), start=1):
+        child_maps[parents[i]][t] = i
+    return (tokens, r.depths[0, 1:n + 1].cpu(), parents, child_maps, r.visibility[0, :n + 1, :n + 1].cpu(),
+            r.next_token[0, :n + 1].cpu(), r.next_sibling[0, :n + 1].cpu())
+
+
+class VerifyLayout(NamedTuple):
+    """Step 3's padded verify layout: ``tree_tokens i64 [bs, q]``, ``positions i64 [bs, q]``,
+    ``retrieve_next_token`` and ``retrieve_next_sibling`` i32 [bs, q], ``visibility bool
+    [bs, q, q]`` (pad rows and columns false)."""
+
+    tree_tokens: torch.Tensor
+    positions: torch.Tensor
+    retrieve_next_token: torch.Tensor
+    retrieve_next_sibling: torch.Tensor
+    visibility: torch.Tensor
+
+
+class AcceptOutput(NamedTuple):
+    """Step 6: ``accept_index i64 [bs, q]`` (``i * q + slot``, -1 padded), ``commit_lens i32
+    [bs]`` (root included), ``next_token_ids i64 [bs, q]`` (accepted tokens then the bonus)."""
+
+    accept_index: torch.Tensor
+    commit_lens: torch.Tensor
+    next_token_ids: torch.Tensor
+
+
+class RoundBuilder:
+    """The batched round's static buffers for up to ``max_bs`` requests and verify width
+    ``q = 1 + budget`` on ``device``: ``build`` writes the padded verify layout (and keeps the
+    build's own outputs, e.g. ``trees.visibility_bits`` for kdtree's verify attention).
+    Every call launches on the current stream and never synchronises the host; the same
+    buffers are returned each time (what a captured graph replays)."""
+
+    def __init__(self, max_bs: int, budget: int, device="cuda"):
+        for name, v, lo, hi in (("max_bs", max_bs, 1, 65535), ("budget", budget, 0, MAX_BUDGET)):
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise InputError(f"{name}: expected an integer in [{lo}, {hi}], got {v!r}")
+        self.device = torch.device(device)
+        self.max_bs, self.q = max_bs, budget + 1
+        q, dev = self.q, self.device
+        self.trees = ops.TreeBuildResult.empty(max_bs, q, dev, dense_visibility=True)
+        self.layout = VerifyLayout(torch.empty(max_bs, q, dtype=torch.int64, device=dev),
+                                   torch.empty(max_bs, q, dtype=torch.int64, device=dev),
+                                   torch.empty(max_bs, q, dtype=torch.int32, device=dev),
+                                   torch.empty(max_bs, q, dtype=torch.int32, device=dev),
+                                   torch.empty(max_bs, q, q, dtype=torch.bool, device=dev))
+        self._budgets = torch.empty(max_bs, dtype=torch.int32, device=dev)
+        self._prefix32 = torch.empty(max_bs, dtype=torch.int32, device=dev)
+        self._slots = torch.arange(q, device=dev)
+        self._trees = {}   # bs -> TreeBuildResult views of the first bs rows
+
+    def _views(self, bs):
+        if bs not in self._trees:
+            t = self.trees
+            self._trees[bs] = ops.TreeBuildResult(*(None if f is None else f[:bs] for f in (
+                t.node_counts, t.tokens, t.depths, t.parents, t.positions, t.next_token, t.next_sibling,
+                t.visibility_bits, t.visibility, t.status)))
+        return self._trees[bs]
+
+    def build(self, top_log_probs, top_token_ids, budgets, bonus_tokens, prefix_lens) -> VerifyLayout:
+        """``top_log_probs f32 [bs, L, k]``, ``top_token_ids i64 [bs, L, k]`` (rows sorted
+        descending, k >= the largest budget), ``budgets`` (int [bs] tensor, each <= q - 1, or
+        one int), ``bonus_tokens i64 [bs]`` (last round's bonus: each tree's root),
+        ``prefix_lens`` (int [bs]). Returns views of the first bs rows of the layout."""
+        lp = ops._tensor("top_log_probs", top_log_probs, torch.float32, (None, None, None), self.device)
+        bs = lp.shape[0]
+        if not 1 <= bs <= self.max_bs:
+            raise InputError(f"top_log_probs: expected 1..{self.max_bs} requests (max_bs), got {bs}")
+        b = self._budgets[:bs]
+        if isinstance(budgets, int) and not isinstance(budgets, bool):
+            if not 0 <= budgets <= self.q - 1:
+                raise InputError(f"budgets: expected 0..{self.q - 1} (q - 1), got {budgets}")
+            b.fill_(budgets)
+        else:
+            _int_tensor("budgets", budgets, bs, self.device)
+            b.copy_(budgets)   # a budget past q - 1 is cut to q - 1 (status bit), never overflows
+        bonus = ops._tensor("bonus_tokens", bonus_tokens, torch.int64, (bs,), self.device)
+        _int_tensor("prefix_lens", prefix_lens, bs, self.device)
+        prefix = self._prefix32[:bs]
+        prefix.copy_(prefix_lens)
+        trees = ops.tree_build(lp, top_token_ids, b, seq_lens=prefix, root_tokens=bonus, d_max=self.q,
+                               out=self._views(bs))
+        out = VerifyLayout(*(t[:bs] for t in self.layout))
+        valid = self._slots[None, :] <= trees.node_counts[:, None]                    # [bs, q]
+        torch.where(valid, trees.tokens, bonus[:, None], out=out.tree_tokens)
+        torch.where(valid, trees.positions, prefix[:, None].long(), out=out.positions)
+        out.retrieve_next_token.copy_(trees.next_token)
+        out.retrieve_next_sibling.copy_(trees.next_sibling)
+        torch.logical_and(trees.visibility, valid[:, :, None] & valid[:, None, :], out=out.visibility)
+        return out
+
+
+def _int_tensor(name, t, n, dev):
+    if not isinstance(t, torch.Tensor) or t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) \
+            or t.device != dev:
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise InputError(f"{name}: expected an int32 or int64 [{n}] tensor on {dev}, got {got}")
+
+
+def mask_size(bs: int, q: int, max_prefix_len: int) -> int:
+    """Bytes a custom-mask buffer needs for bs requests of prefixes up to max_prefix_len."""
+    return bs * q * (max_prefix_len + q)
+
+
+def custom_mask(visibility, prefix_lens, out=None, mask_indptr=None):
+    """Step 4 on the GPU: ``(mask, mask_indptr)``, the mask as bytes (bool, or uint8 for the
+    Triton backend's graph path: pass such an ``out``) concatenated over requests, and
+    ``mask_indptr i64 [bs + 1]``. ``visibility bool [bs, q, q]`` (the layout's),
+    ``prefix_lens`` int [bs]. ``out`` (bool or uint8, 1-D) must hold ``mask_size(bs, q,
+    max prefix)`` bytes; the blocks are packed at the front. Without ``out`` the size is read
+    from the device (a sync)."""
+    vis = ops._tensor("visibility", visibility, torch.bool, (None, None, None))
+    bs, q, q2 = vis.shape
+    if q2 != q:
+        raise InputError(f"visibility: expected [bs, q, q], got {tuple(vis.shape)}")
+    dev = vis.device
+    _int_tensor("prefix_lens", prefix_lens, bs, dev)
+    prefix = prefix_lens.long()
+    if mask_indptr is None:
+        mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev)
+    ops._tensor("mask_indptr", mask_indptr, torch.int64, (bs + 1,), dev)
+    mask_indptr[:1].zero_()
+    torch.cumsum(q * (prefix.clamp(min=0) + q), 0, out=mask_indptr[1:])
+    if out is None:
+        out = torch.empty(int(mask_indptr[-1]), dtype=torch.bool, device=dev)   # sync, documented
+    if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bool, torch.uint8) or out.dim() != 1 \
+            or out.device != dev or not out.is_contiguous():
+        raise InputError(f"out: expected a contiguous 1-D bool or uint8 tensor on {dev}")
+    rc = lib().kd_sglang_custom_mask(vis.data_ptr(), prefix.data_ptr(), mask_indptr.data_ptr(), bs, q,
+                                     out.numel(), out.data_ptr(), ops._stream(dev))
+    ops._check(rc, "custom_mask")
+    return out, mask_indptr
+
+
+def accept(tree_tokens, retrieve_next_token, retrieve_next_sibling, target, out: AcceptOutput | None = None):
+    """Step 6 on the GPU from the target's argmax ``target i64 [bs, q]`` and the retrieve
+    links (i32 or i64 [bs, q]): an AcceptOutput, into ``out`` when given. No host sync."""
+    toks = ops._tensor("tree_tokens", tree_tokens, torch.int64, (None, None))
+    bs, q = toks.shape
+    dev = toks.device
+    links = []
+    for name, t in (("retrieve_next_token", retrieve_next_token), ("retrieve_next_sibling", retrieve_next_sibling)):
+        if not isinstance(t, torch.Tensor) or t.shape != (bs, q) or t.dtype not in (torch.int32, torch.int64):
+            raise InputError(f"{name}: expected an int32 or int64 [{bs}, {q}] tensor")
+        links.append(t.long())
+    r = ops.tree_accept(toks, target, q - 1, next_token=links[0], next_sibling=links[1])
+    if out is None:
+        out = AcceptOutput(torch.empty(bs, q, dtype=torch.int64, device=dev),
+                           torch.empty(bs, dtype=torch.int32, device=dev),
+                           torch.empty(bs, q, dtype=torch.int64, device=dev))
+    else:
+        if not isinstance(out, tuple) or len(out) != 3:
+            raise InputError("out: expected an AcceptOutput (accept_index, commit_lens, next_token_ids)")
+        ops._tensor("out.accept_index", out[0], torch.int64, (bs, q), dev)
+        ops._tensor("out.commit_lens", out[1], torch.int32, (bs,), dev)
+        ops._tensor("out.next_token_ids", out[2], torch.int64, (bs, q), dev)
+        out = AcceptOutput(*out)
+    out.accept_index.copy_(r.accept_index)                       # [bs, q]: -1 padded already
+    torch.add(r.accept_len, 1, out=out.commit_lens)
+    # accepted draft tokens in path order: slot (global - i * q) of accept_index[:, 1:]
+    local = (r.accept_index[:, 1:].long() - torch.arange(bs, device=dev)[:, None] * q).clamp(min=0)
+    path_tokens = torch.gather(toks, 1, local)
+    keep = torch.arange(q - 1, device=dev)[None, :] < r.accept_len[:, None]
+    out.next_token_ids.zero_()
+    out.next_token_ids[:, :q - 1].copy_(torch.where(keep, path_tokens, 0))
+    out.next_token_ids.scatter_(1, r.accept_len[:, None].long(), r.bonus[:, None])
+    return out
+
+
+class VerifyAttention:
+    """Tree-verify attention planned on SGLang's KV metadata for ``bs`` requests of ``q``
+    slots and ``num_heads`` heads whose sequences (prefix + q) stay within ``max_seq_len``.
+    The pool is token-indexed (``kv_buffer [slots, 1, 576]``: page size 1, SGLang's DDTree
+    default; a page-64 pool is read the same way, through its token slots)."""
+
+    def __init__(self, bs: int, q: int, num_heads: int, max_seq_len: int, device="cuda", kernel: str = "auto"):
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < q:
+            raise InputError(f"max_seq_len: expected an integer >= q = {q}, got {max_seq_len!r}")
+        self.plan = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel)
+        self.bs, self.q, self.num_heads, self.max_seq_len = bs, q, num_heads, max_seq_len
+        self._seq = torch.empty(bs, dtype=torch.int32, device=self.plan.device)
+
+    def run(self, q, kv_buffer, req_to_token, req_pool_indices, prefix_lens, visibility, scale: float, out=None):
+        """``q bf16 [bs * q, H, 576]``, ``kv_buffer bf16 [slots, 1, 576]`` (or ``[slots, 576]``),
+        ``req_to_token i32 [max_reqs, max_context]`` (max_context >= max_seq_len),
+        ``req_pool_indices`` int [bs], ``prefix_lens`` int [bs] (the q verify slots' KV is at
+        columns prefix .. prefix + q - 1), ``visibility`` the layout's bool ``[bs, q, q]`` or
+        the build's bits. Returns ``(out bf16 [bs * q, H, 512], lse f32 [bs * q, H])``."""
+        dev = self.plan.device
+        _int_tensor("req_pool_indices", req_pool_indices, self.bs, dev)
+        _int_tensor("prefix_lens", prefix_lens, self.bs, dev)
+        rows = req_pool_indices if req_pool_indices.dtype == torch.int32 else req_pool_indices.int()
+        self._seq.copy_(prefix_lens)
+        self._seq.add_(self.q)
+        if isinstance(kv_buffer, torch.Tensor) and kv_buffer.dim() == 2:
+            kv_buffer = kv_buffer[:, None]
+        if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or \
+                req_to_token.shape[1] < self.max_seq_len:
+            raise InputError(f"req_to_token: expected an int32 [max_reqs, >= {self.max_seq_len}] tensor")
+        return self.plan.run(q, kv_buffer, req_to_token, self._seq, visibility, scale, req_rows=rows, out=out)
+
+
+patch_from_env()

@@ -1,0 +1,128 @@
+"""Switching a running SGLang DDTree worker module over to kdtree, and back.
+
+``patch(module)`` replaces the worker's CPU functions that kdtree speaks for (today:
+``build_ddtree_tree_from_topk``) after checking that the module, each function and its
+signature are what kdtree expects; it says what it replaced, and ``Patch.undo()`` (or
+``unpatch()``) puts the originals back. Nothing is replaced unless everything checks out.
+``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import sys
+
+# Where DDTree worker modules live in the SGLang forks that carry one (spec sglang.md).
+MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree_worker",
+           "sglang.srt.speculative.ddtree")
+# name -> the parameters the worker's function takes, in order.
+FUNCTIONS = {"build_ddtree_tree_from_topk": ("top_log_probs", "top_token_ids", "budget")}
+
+
+class PatchError(RuntimeError):
+    """The module, a function or a signature is not what kdtree.sglang expects."""
+
+
+class Patch:
+    """An applied patch: ``module``, ``replaced`` (names), ``undo()``; a context manager."""
+
+    def __init__(self, module, originals: dict):
+        self.module, self._originals = module, originals
+        self.replaced = tuple(originals)
+
+    def undo(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(self.module, name, fn)
+        self._originals = {}
+        _ACTIVE.pop(self.module.__name__, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+    def __repr__(self):
+        return f"Patch({self.module.__name__}: {', '.join(self.replaced) or 'undone'})"
+
+
+_ACTIVE: dict = {}
+
+
+def _resolve(module):
+    if module is None:
+        for name in MODULES:
+            try:
+                return importlib.import_module(name)
+            except ImportError:
+                continue
+        raise PatchError(f"no SGLang DDTree worker module found (tried {', '.join(MODULES)}); "
+                         "pass the module (or its name) to patch()")
+    if isinstance(module, str):
+        try:
+            return importlib.import_module(module)
+        except ImportError as e:
+            raise PatchError(f"module {module!r} does not import: {e}") from None
+    return module
+
+
+def patch(module=None, verbose: bool = True) -> Patch:
+    """Replaces the worker module's functions with kdtree.sglang's; returns the Patch."""
+    from . import build_ddtree_tree_from_topk
+
+    mod = _resolve(module)
+    name = getattr(mod, "__name__", repr(mod))
+    if name in _ACTIVE:
+        raise PatchError(f"{name} is already patched by kdtree (undo() it first)")
+    ours = {"build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
+    originals = {}
+    for fn_name, params in FUNCTIONS.items():
+        fn = getattr(mod, fn_name, None)
+        if fn is None:
+            raise PatchError(f"{name}.{fn_name}: not found; this module is not a DDTree worker kdtree knows")
+        if not callable(fn):
+            raise PatchError(f"{name}.{fn_name}: expected a function, got {type(fn).__name__}")
+        try:
+            got = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            raise PatchError(f"{name}.{fn_name}: its signature cannot be read") from None
+        if got != params:
+            raise PatchError(f"{name}.{fn_name}{tuple(got)}: expected parameters {params}; "
+                             "this worker speaks another format, so nothing was replaced")
+        originals[fn_name] = fn
+    for fn_name in originals:
+        setattr(mod, fn_name, ours[fn_name])
+    p = Patch(mod, originals)
+    _ACTIVE[name] = p
+    if verbose:
+        print(f"kdtree.sglang: replaced {', '.join(f'{name}.{n}' for n in p.replaced)}", file=sys.stderr)
+    return p
+
+
+def unpatch(module=None) -> bool:
+    """Undoes the patch of `module` (or of every patched module); whether one was undone."""
+    names = list(_ACTIVE) if module is None else [module if isinstance(module, str) else module.__name__]
+    undone = False
+    for n in names:
+        if n in _ACTIVE:
+            _ACTIVE[n].undo()
+            undone = True
+    return undone
+
+
+def patch_from_env():
+    """Patches when KDTREE_SGLANG=1 (the module from KDTREE_SGLANG_MODULE, else the known
+    ones); any other value does nothing. A refusal is printed, not raised: a serving
+    process keeps its own CPU path rather than failing to start."""
+    flag = os.environ.get("KDTREE_SGLANG", "")
+    if flag in ("", "0"):
+        return None
+    if flag != "1":
+        print(f"kdtree.sglang: KDTREE_SGLANG={flag!r} ignored (expected 1 or 0)", file=sys.stderr)
+        return None
+    try:
+        return patch(os.environ.get("KDTREE_SGLANG_MODULE") or None)
+    except PatchError as e:
+        print(f"kdtree.sglang: KDTREE_SGLANG=1 but not patched: {e}", file=sys.stderr)
+        return None

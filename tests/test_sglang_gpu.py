@@ -1,0 +1,171 @@
+"""kdtree.sglang on the GPU against its CPU reference of the worker's round (spec sglang.md);
+the whole round captured in one CUDA graph."""
+import numpy as np
+import pytest
+import torch
+
+from kdtree import sglang
+from kdtree.reference.attention import verify_attention_ref
+from kdtree.harness.workloads import stage_a_inputs
+from kdtree.sglang import reference as ref
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+SCALE = 0.130861
+
+
+def test_builder_on_cuda_is_byte_identical(golden):
+    cases = [(torch.from_numpy(c["top_lp"]), torch.from_numpy(c["top_ids"]), int(c["budget"])) for c in golden]
+    rng = np.random.default_rng(0)
+    for seed in range(40):
+        V, budget = int(rng.choice([2, 3, 40, 5000])), int(rng.choice([-1, 0, 1, 2, 16, 64, 256, 1024]))
+        lp, ids = stage_a_inputs(1, int(rng.choice([1, 4, 15])), V, max(budget, 1), seed=seed, coarse_fraction=1.0)
+        cases.append((lp[0], ids[0], budget))
+    for i, (lp, ids, budget) in enumerate(cases):
+        want = ref.build_ddtree_tree_from_topk(lp, ids, budget)
+        got = sglang.build_ddtree_tree_from_topk(lp.to(DEV), ids.to(DEV), budget)
+        for k, (g, w) in enumerate(zip(got, want)):
+            if isinstance(w, torch.Tensor):
+                assert g.device.type == "cpu" and g.dtype == w.dtype and torch.equal(g, w), (i, k)
+            else:
+                assert g == w, (i, k)
+
+
+def round_inputs(seed, bs, q, V=300):
+    rng = np.random.default_rng(seed)
+    budgets = rng.choice([0, 1, 5, q - 1, q - 1, q - 1], size=bs)
+    lp, ids = stage_a_inputs(bs, 15, V, q - 1, seed=seed, coarse_fraction=0.5)
+    bonus = rng.integers(0, V, bs)
+    prefix = rng.choice([0, 1, 63, 64, 1000, 4097], size=bs)
+    return lp, ids, budgets, bonus, prefix
+
+
+def cpu_round(lp, ids, budgets, bonus, prefix, q, target=None):
+    trees = [ref.build_ddtree_tree_from_topk(lp[i], ids[i], int(budgets[i])) for i in range(len(budgets))]
+    layout = ref.pad_round(trees, bonus, prefix, q)
+    return trees, layout
+
+
+@pytest.mark.parametrize("bs,budget", [(1, 16), (7, 64), (64, 64), (3, 256)])
+def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget):
+    q = budget + 1
+    lp, ids, budgets, bonus, prefix = round_inputs(bs + budget, bs, q)
+    rb = sglang.RoundBuilder(bs + 2, budget, DEV)
+    for t in rb.layout:   # poisoned static buffers
+        t.view(torch.uint8).fill_(0x5A)
+    t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=DEV)
+    got = rb.build(lp.to(DEV), ids.to(DEV), t(budgets, torch.int32), t(bonus), t(prefix))
+    trees, want = cpu_round(lp, ids, budgets, bonus, prefix, q)
+    for g, w in zip(got, want):
+        assert g.dtype == {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
+                           np.dtype(bool): torch.bool}[w.dtype]
+        assert np.array_equal(g.cpu().numpy(), w)
+    # the mask, bool and uint8, into a buffer sized for the largest prefix
+    want_mask, want_indptr = ref.custom_mask(want[4], prefix)
+    for dt in (torch.bool, torch.uint8):
+        buf = torch.full((sglang.mask_size(bs, q, int(prefix.max())) + 5,), 7, dtype=torch.uint8, device=DEV)
+        mask, indptr = sglang.custom_mask(got.visibility, t(prefix), out=buf.view(dt))
+        assert np.array_equal(indptr.cpu().numpy(), want_indptr)
+        m = mask.view(torch.uint8)[:want_mask.size].cpu().numpy()
+        assert np.array_equal(m, want_mask.astype(np.uint8))
+        assert (buf[want_mask.size:] == 7).all()   # nothing past the blocks
+    # accept from a target that follows the tree for a while
+    rng = np.random.default_rng(bs)
+    target = rng.integers(0, 300, size=(bs, q))
+    tok, nxt = want[0], want[2]
+    for i in range(bs):
+        cur = 0
+        while nxt[i, cur] >= 0 and rng.random() < 0.8:
+            target[i, cur] = tok[i, nxt[i, cur]]
+            cur = nxt[i, cur]
+    w_acc = ref.accept([tr[3] for tr in trees], tok, target, q)
+    out = sglang.AcceptOutput(torch.full((bs, q), 99, dtype=torch.int64, device=DEV),
+                              torch.full((bs,), 99, dtype=torch.int32, device=DEV),
+                              torch.full((bs, q), 99, dtype=torch.int64, device=DEV))
+    g_acc = sglang.accept(got.tree_tokens, got.retrieve_next_token, got.retrieve_next_sibling, t(target), out=out)
+    for g, w in zip(g_acc, w_acc):
+        assert np.array_equal(g.cpu().numpy(), w)
+    assert w_acc[1].max() >= 2
+
+
+@pytest.mark.parametrize("kernel", ["auto", "mma_sync"])
+def test_verify_attention_on_sglang_metadata(kernel):
+    """The token pool at page size 1, req_to_token read in place through req_pool_indices
+    (rows out of order, a wider table than needed), q and out as [bs * q, H, ...]."""
+    bs, q, H = 3, 17, 8
+    prefix = torch.tensor([0, 333, 2049], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    slots = int((prefix + q).sum()) + 50
+    kv = torch.randn(slots, 1, 576, generator=g).to(torch.bfloat16)
+    kv[-50:] = float("nan")   # unused slots never leak in
+    max_ctx = 4096
+    req_to_token = torch.full((8, max_ctx), slots - 1, dtype=torch.int32)
+    perm = torch.randperm(slots - 50, generator=g).int()
+    rows = torch.tensor([5, 0, 2], dtype=torch.int32)
+    at = 0
+    for i in range(bs):
+        n = int(prefix[i]) + q
+        req_to_token[rows[i], :n] = perm[at:at + n]
+        at += n
+    vis = torch.zeros(bs, q, q, dtype=torch.bool)
+    for i in range(q):
+        vis[:, i, i] = True
+        if i:
+            vis[:, i] |= vis[:, torch.randint(0, i, (1,), generator=g).item()]
+    qx = torch.randn(bs * q, H, 576, generator=g).to(torch.bfloat16)
+    va = sglang.VerifyAttention(bs, q, H, max_seq_len=3000, device=DEV, kernel=kernel)
+    out, lse = va.run(qx.to(DEV), kv.to(DEV), req_to_token.to(DEV), rows.to(DEV), prefix.to(DEV), vis.to(DEV), SCALE)
+    assert out.shape == (bs * q, H, 512) and lse.shape == (bs * q, H)
+    table = req_to_token[rows.long(), :3000].contiguous()
+    ref_o, ref_l = verify_attention_ref(qx.view(bs, q, H, 576), kv, table, prefix + q, vis, SCALE)
+    assert not torch.isnan(out).any()
+    o = out.view(bs, q, H, 512).double().cpu()
+    assert (o - ref_o).norm() / ref_o.norm() <= 5e-3
+    assert (lse.view(bs, q, H).double().cpu() - ref_l).abs().max() <= 1e-3
+
+
+def test_whole_round_is_captured_in_one_cuda_graph():
+    bs, budget, V = 6, 32, 300
+    q = budget + 1
+    rb = sglang.RoundBuilder(bs, budget, DEV)
+    lp, ids, budgets, bonus, prefix = round_inputs(1, bs, q, V)
+    t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=DEV)
+    s = dict(lp=lp.to(DEV), ids=ids.to(DEV), budgets=t(budgets, torch.int32), bonus=t(bonus), prefix=t(prefix),
+             target=torch.zeros(bs, q, dtype=torch.int64, device=DEV))
+    mask_buf = torch.empty(sglang.mask_size(bs, q, 5000), dtype=torch.uint8, device=DEV)
+    indptr = torch.empty(bs + 1, dtype=torch.int64, device=DEV)
+    acc = sglang.AcceptOutput(torch.empty(bs, q, dtype=torch.int64, device=DEV),
+                              torch.empty(bs, dtype=torch.int32, device=DEV),
+                              torch.empty(bs, q, dtype=torch.int64, device=DEV))
+
+    def round_():
+        lay = rb.build(s["lp"], s["ids"], s["budgets"], s["bonus"], s["prefix"])
+        sglang.custom_mask(lay.visibility, s["prefix"], out=mask_buf, mask_indptr=indptr)
+        sglang.accept(lay.tree_tokens, lay.retrieve_next_token, lay.retrieve_next_sibling, s["target"], out=acc)
+        return lay
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        round_()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lay = round_()
+    for seed in (2, 3):
+        lp, ids, budgets, bonus, prefix = round_inputs(seed, bs, q, V)
+        trees, want = cpu_round(lp, ids, budgets, bonus, prefix, q)
+        target = np.random.default_rng(seed).integers(0, V, size=(bs, q))
+        target[:, 0] = want[0][:, 1]   # the first child accepted at least
+        for k, v in dict(lp=lp, ids=ids, budgets=t(budgets, torch.int32), bonus=t(bonus), prefix=t(prefix),
+                         target=t(target)).items():
+            s[k].copy_(v)
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip(lay, want):
+            assert np.array_equal(g.cpu().numpy(), w)
+        wm, wi = ref.custom_mask(want[4], prefix)
+        assert np.array_equal(indptr.cpu().numpy(), wi)
+        assert np.array_equal(mask_buf[:wm.size].cpu().numpy(), wm.astype(np.uint8))
+        for g, w in zip(acc, ref.accept([tr[3] for tr in trees], want[0], target, q)):
+            assert np.array_equal(g.cpu().numpy(), w)
