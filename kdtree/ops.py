@@ -29,6 +29,14 @@ STATUS_NAN_INPUT = 2
 STATUS_WARP_LOOP = 4   # information: the request's rows were not certified for threshold selection
 
 
+def cuda_device(device=None) -> torch.device:
+    """A CUDA device with its index (the current one for "cuda" or None)."""
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        raise InputError(f"device: expected a CUDA device, got {dev}")
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def _ptr(t: torch.Tensor | None):
     # ctypes turns an int into a void* (c_void_p argtypes); None is NULL.
     return None if t is None else t.data_ptr()
@@ -332,7 +340,7 @@ class TreeVerifyPlan:
     """
 
     def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
-                 kernel: str = "auto", num_splits: int | None = None, _workspace: bool = True):
+                 kernel: str = "auto", num_splits: int | None = None, own_workspace: bool = True):
         for name, v, lo in (("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1),
                             ("max_pages", max_pages, 1)):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -341,11 +349,7 @@ class TreeVerifyPlan:
             raise InputError(f"kernel: expected one of {VERIFY_KERNELS}, got {kernel!r}")
         if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
             raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-        if self.device.type != "cuda":
-            raise InputError(f"device: expected a CUDA device, got {self.device}")
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = cuda_device(device)
         self.kernel_request = kernel
         self._plan = KdVerifyPlan()
         with torch.cuda.device(self.device):
@@ -360,7 +364,7 @@ class TreeVerifyPlan:
         self.rows_per_cta, self.keys_per_tile = pl.rows_per_cta, pl.keys_per_tile
         self.small_launch = bool(pl.small_launch)
         self._ref = ctypes.byref(pl)
-        self.workspace = _workspace(B, pl.num_splits, D * H, self.device) if _workspace else (None, None)
+        self.workspace = _workspace(B, pl.num_splits, D * H, self.device) if own_workspace else (None, None)
 
     def __repr__(self):
         return (f"TreeVerifyPlan(B={self.B}, D={self.D}, H={self.H}, page_size={self.page_size}, "
@@ -389,7 +393,7 @@ class TreeVerifyPlan:
                            self.workspace)
 
 
-def _workspace(B, num_splits, R, dev):  # the splits' partials
+def _workspace(B, num_splits, R, dev):  # the splits' partials (None without splits)
     if num_splits <= 1:
         return None, None
     return (torch.empty(B, num_splits, R, LATENT_DIM, dtype=torch.bfloat16, device=dev),
@@ -486,7 +490,7 @@ def tree_verify(q, kv_cache, block_table, seq_lens, visibility, scale: float, *,
         if dev < 0:
             _tensor("q", q, torch.bfloat16, (B, D, H, QK_DIM))  # raises: not on a GPU
         plan = TreeVerifyPlan(B, D, H, kv_cache.shape[1], block_table.shape[1], device=torch.device("cuda", dev),
-                              kernel=kernel, num_splits=num_splits, _workspace=False)
+                              kernel=kernel, num_splits=num_splits, own_workspace=False)
         _PLANS[key] = plan
     return _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, None, out,
                        _workspace(B, plan.num_splits, D * H, plan.device))

@@ -199,15 +199,15 @@ def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
     lp, ids = stage_a_inputs(B, 15, 300, budget, seed=int(np.random.default_rng().integers(1 << 30)))
     seq, roots = np.arange(B) + 5, np.arange(B) + 1
     want = build_trees(lp, ids, np.full(B, budget), seq_lens=seq, root_tokens=roots)
-    args = (lp.to(DEV), ids.to(DEV), torch.full((B,), budget, dtype=torch.int32, device=DEV),
-            torch.as_tensor(seq, dtype=torch.int32, device=DEV),
-            torch.as_tensor(roots, dtype=torch.int64, device=DEV))
+    args = (lp.to(DEV), ids.to(DEV), torch.full((B,), budget, dtype=torch.int32, device=DEV))
+    kw = dict(seq_lens=torch.as_tensor(seq, dtype=torch.int32, device=DEV),
+              root_tokens=torch.as_tensor(roots, dtype=torch.int64, device=DEV))
     out = poisoned_trees(ops, B, want.D)
 
     def build_and_compare():
         for f in FIELDS:
             getattr(out, f).view(torch.uint8).fill_(0x5A)
-        ops.tree_build(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, **kw, d_max=want.D, out=out)
         for f in FIELDS:
             assert np.array_equal(getattr(out, f).cpu().numpy(), getattr(want, f)), f
 
@@ -216,20 +216,20 @@ def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
     good = out.tokens
     out.tokens = torch.empty(B, want.D, dtype=torch.int32, device=DEV)
     with pytest.raises(InputError, match="out.tokens: expected dtype torch.int64"):
-        ops.tree_build(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, **kw, d_max=want.D, out=out)
     out.tokens = good.view(torch.float64)  # same storage and pointer, another dtype
     with pytest.raises(InputError, match="out.tokens: expected dtype torch.int64"):
-        ops.tree_build(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, **kw, d_max=want.D, out=out)
     out.tokens = good
     build_and_compare()
     out.depths.resize_(B, want.D + 64)  # a larger storage: a new pointer
     with pytest.raises(InputError, match=r"out.depths: expected shape"):
-        ops.tree_build(*args, d_max=want.D, out=out)
+        ops.tree_build(*args, **kw, d_max=want.D, out=out)
     out.depths = torch.empty(B, want.D, dtype=torch.int64, device=DEV)
     with pytest.raises(InputError, match=r"out.node_counts: expected shape \[2\]"):
-        ops.tree_build(*(a[:2] for a in args), d_max=want.D, out=out)
+        ops.tree_build(*(a[:2] for a in args), **{k: v[:2] for k, v in kw.items()}, d_max=want.D, out=out)
     with pytest.raises(InputError, match=r"out.tokens: expected shape"):
-        ops.tree_build(*args, d_max=want.D + 1, out=out)
+        ops.tree_build(*args, **kw, d_max=want.D + 1, out=out)
     build_and_compare()
 
 

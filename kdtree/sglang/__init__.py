@@ -95,7 +95,7 @@ class RoundBuilder:
         for name, v, lo, hi in (("max_bs", max_bs, 1, 65535), ("budget", budget, 0, MAX_BUDGET)):
             if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
                 raise InputError(f"{name}: expected an integer in [{lo}, {hi}], got {v!r}")
-        self.device = torch.device(device)
+        self.device = ops.cuda_device(device)
         self.max_bs, self.q = max_bs, budget + 1
         q, dev = self.q, self.device
         self.trees = ops.TreeBuildResult.empty(max_bs, q, dev, dense_visibility=True)
