@@ -18,7 +18,7 @@ def readme_example() -> str:
 
 
 def test_readme_example_block_is_found():
-    assert "ops.build_trees_gpu" in readme_example()
+    assert "kdtree.tree_build" in readme_example() and "plan.run" in readme_example()
 
 
 @pytest.mark.gpu
