@@ -28,7 +28,7 @@ def _have_nvcc():
 
 
 RD = config["results_dir"].rstrip("/")
-# Unsharded GPU sweeps, one rule (sweep_gpu) for all: their Parquet is RD/<name>.parquet.
+# Unsharded GPU sweeps (all run by sweep_gpu): their Parquet is RD/<name>.parquet.
 GPU_SWEEPS = ["round", "worker_round", "op_latency"]
 LIB = f"{config['build']['build_dir'].rstrip('/')}/libkdtree.so"
 GPU, NO_GPU_WHY = _use_gpu()
