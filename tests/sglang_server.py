@@ -18,13 +18,18 @@ class Behaviour:
     step_s: float = 0.03          # one verify step
     accept: int = 3               # tokens committed per verify step
     fault: str = ""               # "", drop, http500, http429, slow_first_byte, malformed,
-                                  # non_sglang, split_lines, no_done, keepalive, stream_error
+                                  # non_sglang, split_lines, no_done, keepalive, stream_error,
+                                  # hang_info (/server_info never answers), die (the server
+                                  # stops listening after `die_after` generate requests)
     fault_every: int = 1          # apply the fault to every k-th request (1 = all)
     http429_times: int = 1        # 429s before success, per request
+    die_after: int = 3            # fault "die": generate requests served before the server dies
 
 
 class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.0"   # close-delimited streaming bodies
+    # HTTP/1.1: the GET answers (with a length) keep their connection open, as a real
+    # server's do; a streamed /generate body ends by closing its connection.
+    protocol_version = "HTTP/1.1"
 
     def log_message(self, *a):      # keep test output clean
         pass
@@ -42,6 +47,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_GET(self):
+        with self.server.lock:
+            self.server.log.append((self.path, self.client_address[1]))
+        if self.path in ("/server_info", "/get_server_info") and self.b.fault == "hang_info":
+            time.sleep(30)
+            return
         if self.path == "/health":
             return self._json(200, {}) if self.b.fault != "non_sglang" else self._html()
         if self.path in ("/server_info", "/get_server_info") and self.b.fault != "non_sglang":
@@ -63,6 +73,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def do_POST(self):
+        with self.server.lock:
+            self.server.log.append((self.path, self.client_address[1]))
+            self.server.in_flight += 1
+            self.server.max_in_flight = max(self.server.max_in_flight, self.server.in_flight)
+        try:
+            self._post()
+        finally:
+            with self.server.lock:
+                self.server.in_flight -= 1
+                self.server.finished += 1
+                die = self.b.fault == "die" and self.server.finished == self.b.die_after
+            if die:  # a server process that exits: nothing listens on the port any more
+                threading.Thread(target=self.server.die, daemon=True).start()
+
+    def _post(self):
         length = int(self.headers.get("Content-Length", 0))
         req = json.loads(self.rfile.read(length) or b"{}")
         if self.path != "/generate" or self.b.fault == "non_sglang":
@@ -90,7 +115,9 @@ class _Handler(BaseHTTPRequestHandler):
         prompt_tokens = max(1, len(key.split()))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
         self.end_headers()
+        self.close_connection = True
         if faulty and self.b.fault == "slow_first_byte":
             time.sleep(5.0)
         t0 = time.perf_counter()
@@ -148,6 +175,10 @@ class _Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address):  # a client that hung up (timeouts) is expected
         pass
 
+    def die(self):
+        self.shutdown()
+        self.server_close()
+
 
 class FakeSGLang:
     """Context manager: a server on 127.0.0.1:<free port>."""
@@ -162,6 +193,8 @@ class FakeSGLang:
         self.httpd.requests = 0
         self.httpd.served = 0
         self.httpd.attempts = {}
+        self.httpd.log = []            # (path, client port) of every request, in order
+        self.httpd.in_flight = self.httpd.max_in_flight = self.httpd.finished = 0
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
         return self
@@ -174,6 +207,15 @@ class FakeSGLang:
     def requests(self) -> int:
         return self.httpd.requests
 
+    @property
+    def max_in_flight(self) -> int:
+        return self.httpd.max_in_flight
+
+    @property
+    def log(self) -> list:
+        return list(self.httpd.log)
+
     def __exit__(self, *exc):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self.httpd.socket.fileno() != -1:
+            self.httpd.shutdown()
+            self.httpd.server_close()

@@ -115,8 +115,29 @@ def test_breakdown_is_an_amdahl_projection(tmp_path):
     assert now.sum() == pytest.approx(20.0)
     assert now["tree build (CPU)"] == pytest.approx(4.0) and now["rest of step"] == pytest.approx(15.5)
     assert proj.sum() == pytest.approx(15.5 + 0.04 + 0.005)
+    assert t.notes.iloc[0] == ""                       # exact rows, a reported budget: nothing assumed
     render_all(tmp_path)
     assert (tmp_path / "figures" / "step_breakdown.png").exists()
+
+
+def test_breakdown_says_what_it_assumed(tmp_path):
+    pd.DataFrame([dict(batch=4, budget=16, impl="cpu_heapq", metric="batch_time", median_us=4000.0, status="ok"),
+                  dict(batch=4, budget=64, impl="cpu_heapq", metric="batch_time", median_us=9000.0, status="ok")]
+                 ).to_parquet(tmp_path / "tree_build.parquet")
+    pd.DataFrame([dict(batch=4, D=17, impl="cpu_walk", median_us=500.0, status="ok"),
+                  dict(batch=4, D=257, impl="cpu_walk", median_us=900.0, status="ok")]).to_parquet(
+        tmp_path / "tree_accept.parquet")
+    # a step shorter than the CPU parts, and a server that reports no budget
+    pd.DataFrame([dict(verify_step_ms=5.0, concurrency=4, tree_budget=None)]).to_parquet(
+        tmp_path / "probe_summary.parquet")
+    t = breakdown_table(tmp_path)
+    notes = t.notes.iloc[0]
+    assert "64 assumed" in notes
+    assert "CPU accept walk timed at batch 4, D 17 (no row at batch 4, D 65)" in notes
+    assert "exceed the probe's measured step (5 ms)" in notes
+    assert t[t.component == "rest of step"].ms.iloc[0] == 0
+    cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "report.md")])
+    assert "- the server reported no tree budget" in (tmp_path / "report.md").read_text()
 
 
 def test_config_schema_names_the_bad_key():

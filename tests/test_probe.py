@@ -1,7 +1,14 @@
 """The probe against a real HTTP server on loopback speaking SGLang's wire format."""
 import asyncio
 import math
+import os
+import pathlib
+import signal
 import socket
+import stat
+import subprocess
+import sys
+import time
 
 import pandas as pd
 import pytest
@@ -39,9 +46,10 @@ def test_figures_match_what_the_server_produces():
 
 def test_concurrency_is_bounded_and_throughput_counts_tokens():
     with FakeSGLang(ttft_s=0.02, step_s=0.01, accept=4) as srv:
-        df, s, _ = probe(srv.url, requests=6, concurrency=3, max_new_tokens=17)
-        assert srv.requests == 6
-    assert df.ok.all() and s["output_tokens"] == 6 * 17
+        df, s, _ = probe(srv.url, requests=8, concurrency=3, max_new_tokens=17)
+        assert srv.requests == 8
+        assert srv.max_in_flight == 3          # never more than asked, and it did run 3 at once
+    assert df.ok.all() and s["output_tokens"] == 8 * 17
     assert s["output_throughput_tok_s"] == pytest.approx(s["output_tokens"] / s["wall_s"])
 
 
@@ -94,10 +102,14 @@ def test_non_sglang_and_unreachable_are_clear_errors():
 
 def test_parquet_rows_carry_identity_and_provenance(tmp_path):
     with FakeSGLang(ttft_s=0.01, step_s=0.005) as srv:
-        msg = probe_to_parquet(ProbeConfig(url=srv.url, requests=3, max_new_tokens=7), tmp_path / "p.parquet")
+        res = probe_to_parquet(ProbeConfig(url=srv.url, requests=3, max_new_tokens=7), tmp_path / "p.parquet")
     rows = pd.read_parquet(tmp_path / "p.parquet")
     summ = pd.read_parquet(tmp_path / "p_summary.parquet")
-    assert len(rows) == 3 and "3/3 requests ok" in msg
+    assert len(rows) == 3 and "3/3 requests ok" in res.message and res.ok_requests == 3
+    assert rows.run_id.iloc[0] == summ.run_id.iloc[0]          # one run, both files
+    for f in ("p.parquet", "p_summary.parquet"):
+        assert stat.S_IMODE((tmp_path / f).stat().st_mode) == 0o644, f   # as the committed results
+    assert not [f.name for f in tmp_path.iterdir() if f.name.startswith(".")]  # no staging left
     for col in ("run_id", "utc_time", "git_commit", "host", "server_url", "model", "server_version",
                 "spec_settings", "prompt_set_hash", "probe_config", "ttft_s", "accept_length"):
         assert col in rows.columns, col
@@ -118,7 +130,7 @@ def test_cli_records_an_unreachable_service(tmp_path):
 
 
 def test_config_bounds_are_checked():
-    with pytest.raises(ValueError, match="concurrency: expected <= 64"):
+    with pytest.raises(ValueError, match="concurrency: expected an integer >= 1 and <= 64"):
         ProbeConfig(url="http://x", concurrency=500).check()
     with pytest.raises(ValueError, match="url: expected http"):
         ProbeConfig(url="ftp://x").check()
@@ -136,3 +148,119 @@ def test_prompt_files(tmp_path):
     f.write_text('{"text": "hello"}\nplain line\n\n')
     assert load_prompts(str(f)) == ["hello", "plain line"]
     assert len(load_prompts(None)) >= 6
+
+
+def cli(*argv):
+    """The probe command's exit code."""
+    from kdtree.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["probe", *map(str, argv)])
+    return e.value.code
+
+
+def test_server_dying_mid_run_keeps_every_measured_row(tmp_path, capsys):
+    out = tmp_path / "p.parquet"
+    with FakeSGLang(ttft_s=0.01, step_s=0.005, fault="die", die_after=3) as srv:
+        code = cli("--url", srv.url, "--out", out, "--requests", 10, "--max-new-tokens", 8, "--timeout", 2)
+    rows, summ = pd.read_parquet(out), pd.read_parquet(tmp_path / "p_summary.parquet")
+    assert code == 0 and "Traceback" not in capsys.readouterr().err
+    assert rows.ok.sum() == 3 and (~rows.ok).sum() == 3        # 3 measured, then 3 failures and stop
+    assert rows[~rows.ok].error.str.contains("ConnectError|ReadError").all()
+    assert "aborted after 3 consecutive failures" in summ.stop_reason.iloc[0]
+    assert summ.server_avg_spec_accept_length_after.isna().all()   # the closing call failed quietly
+
+
+def test_hang_after_health_is_bounded_by_the_timeout(tmp_path, capsys):
+    out = tmp_path / "p.parquet"
+    with FakeSGLang(fault="hang_info") as srv:
+        t0 = time.perf_counter()
+        code = cli("--url", srv.url, "--out", out, "--timeout", 1)
+        took = time.perf_counter() - t0
+        assert srv.requests == 0                                   # no load sent
+    assert code == 2 and took < 5
+    msg = capsys.readouterr().out
+    assert "/server_info: ReadTimeout: no answer within 1 s" in msg
+    assert pd.read_parquet(out).error.str.contains("no answer within").all()   # the failure is a row
+
+
+def test_sigint_keeps_the_finished_requests(tmp_path):
+    out = tmp_path / "p.parquet"
+    with FakeSGLang(ttft_s=0.01, step_s=0.02, accept=2) as srv:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen([sys.executable, "-m", "kdtree", "probe", "--url", srv.url, "--out", str(out),
+                                 "--requests", "200", "--max-new-tokens", "8"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        deadline = time.time() + 60
+        while srv.httpd.finished < 3 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr and "interrupted" in stdout
+    rows = pd.read_parquet(out)
+    assert rows.ok.sum() >= 3 and len(rows) < 200
+    assert pd.read_parquet(tmp_path / "p_summary.parquet").stop_reason.iloc[0] == "interrupted (Ctrl-C)"
+
+
+def _unwritable(tmp_path, case):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    (tmp_path / "a_dir").mkdir()
+    return {"missing_parent": tmp_path / "nope" / "p.parquet", "under_a_file": f / "p.parquet",
+            "is_a_dir": tmp_path / "a_dir", "proc": pathlib.Path("/proc/self/p.parquet")}[case]
+
+
+@pytest.mark.parametrize("case,needle", [("missing_parent", "does not exist"), ("under_a_file", "is not a folder"),
+                                         ("is_a_dir", "is a folder"), ("proc", "cannot write")])
+def test_unwritable_output_refused_before_any_request(tmp_path, capsys, case, needle):
+    out = _unwritable(tmp_path, case)
+    with FakeSGLang() as srv:
+        code = cli("--url", srv.url, "--out", out, "--record-failure")
+        assert srv.log == []                                       # not even /health
+    assert code == 2 and needle in capsys.readouterr().out
+
+
+def test_a_server_that_never_answers_well_fails_after_the_limit(tmp_path, capsys):
+    out = tmp_path / "p.parquet"
+    with FakeSGLang(ttft_s=0.01, step_s=0.005, fault="malformed") as srv:
+        code = cli("--url", srv.url, "--out", out, "--requests", 20, "--concurrency", 4,
+                   "--max-consecutive-failures", 3)
+        assert srv.requests == 3                                   # the limit bounds what is sent
+    assert code == 1 and "no request succeeded" in capsys.readouterr().out
+    assert len(pd.read_parquet(out)) == 3
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--requests", 0], "requests: expected an integer >= 1"),
+    (["--requests", 1_000_000_000], "requests: expected an integer >= 1 and <= 10000"),
+    (["--max-new-tokens", 1_000_000_000], "max_new_tokens"),
+    (["--max-wall", "inf"], "max_wall_s: expected a number > 0"),
+    (["--timeout", "nan"], "timeout_s"),
+    (["--url", "http://127.0.0.1:99999"], "with a port in 1-65535"),
+    (["--url", "localhost:3000"], "url: expected http(s)://host:port"),
+    (["--prompts", "/nonexistent/prompts.txt"], "prompts: cannot read /nonexistent/prompts.txt"),
+])
+def test_bad_settings_exit_2_even_with_record_failure(tmp_path, capsys, argv, needle):
+    argv = (["--url", "http://127.0.0.1:1"] if "--url" not in argv else []) + argv
+    code = cli(*argv, "--out", tmp_path / "p.parquet", "--record-failure")
+    captured = capsys.readouterr()
+    assert code == 2 and needle in captured.out, captured.out
+    assert "Traceback" not in captured.err and not (tmp_path / "p.parquet").exists()
+
+
+def test_a_hung_request_names_its_timeout():
+    with FakeSGLang(ttft_s=0.01, fault="slow_first_byte") as srv:
+        df, _, _ = probe(srv.url, requests=1, timeout_s=0.5, max_consecutive_failures=1)
+    assert df.error.iloc[0] == "ReadTimeout: no answer within 0.5 s"
+
+
+def test_measured_requests_do_not_reuse_the_setup_connections():
+    with FakeSGLang(ttft_s=0.01, step_s=0.005) as srv:
+        probe(srv.url, requests=2, max_new_tokens=4)
+        log = srv.log
+    setup = {port for path, port in log if path != "/generate"}
+    measured = [port for path, port in log if path == "/generate"]
+    assert len(setup) >= 1 and len(measured) == 2
+    # the set-up GETs shared a kept-alive connection (reuse was possible), yet no /generate rode on it
+    assert len([1 for path, _ in log if path != "/generate"]) > len(setup)
+    assert not setup & set(measured)

@@ -46,9 +46,20 @@ def _typical_draft(d: pd.DataFrame | None) -> pd.DataFrame | None:
     return d[d.follow == d.follow.max()]
 
 
+def _pick(df: pd.DataFrame, what: str, notes: list, **want) -> pd.Series | None:
+    """The row at exactly `want`, else the nearest one with a note saying which was taken."""
+    row = _nearest(df, **want)
+    if row is not None and any(row[k] != v for k, v in want.items()):
+        got = ", ".join(f"{k} {row[k]:g}" for k in want)
+        asked = ", ".join(f"{k} {v:g}" for k, v in want.items())
+        notes.append(f"{what} timed at {got} (no row at {asked})")
+    return row
+
+
 def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     """Probe summary + this run's sweeps; GPU kernel times from `kernel_times_dir` (e.g. the
-    committed H200 reference set) when this run has none (a CPU-only machine)."""
+    committed H200 reference set) when this run has none (a CPU-only machine). Every
+    assumption and mismatch is a line of the `notes` column (one string, '; '-joined)."""
     rd = pathlib.Path(results_dir)
     probe = read_ok_rows(rd / "probe_summary.parquet")
     tree = read_ok_rows(rd / "tree_build.parquet")
@@ -58,8 +69,11 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     if probe.empty:
         return None
     s = probe.iloc[-1]
+    notes: list[str] = []
     batch, budget = int(s.get("concurrency", 1) or 1), int(s.get("tree_budget", 0) or 0)
-    budget = budget if budget > 0 else 64   # the server did not say: a common budget
+    if budget <= 0:
+        budget = 64
+        notes.append("the server reported no tree budget (speculative_num_draft_tokens): 64 assumed")
     acc = _typical_draft(read_ok_rows(rd / "tree_accept.parquet"))
     gpu_tree = _gpu_rows(tree, metric="device_time")
     gpu_acc = _accept_kernel(acc)
@@ -70,21 +84,35 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
         gpu_acc = _accept_kernel(_typical_draft(read_ok_rows(kt / "tree_accept.parquet")))
         names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
         source = f"{kt} ({', '.join(names) or 'GPU'})"
-    cpu = _nearest(tree[tree.impl == "cpu_heapq"], batch=batch, budget=budget)
-    gpu = _nearest(gpu_tree, batch=batch, budget=budget)
-    acc_cpu = _nearest(acc[acc.impl == "cpu_walk"], batch=batch, D=budget + 1) if acc is not None else None
-    acc_gpu = _nearest(gpu_acc, batch=batch, D=budget + 1)
+    # The accept walks a tree of budget + 1 slots (the root and the budget's nodes).
+    cpu = _pick(tree[tree.impl == "cpu_heapq"], "CPU build", notes, batch=batch, budget=budget)
+    gpu = _pick(gpu_tree, "GPU build", notes, batch=batch, budget=budget)
+    acc_cpu = _pick(acc[acc.impl == "cpu_walk"], "CPU accept walk", notes, batch=batch, D=budget + 1) \
+        if acc is not None else None
+    acc_gpu = _pick(gpu_acc, "GPU accept", notes, batch=batch, D=budget + 1)
     step = float(s.verify_step_ms)
     build_cpu = cpu.median_us / 1e3 if cpu is not None else 0.0
     walk_cpu = acc_cpu.median_us / 1e3 if acc_cpu is not None else 0.0
-    rest = max(step - build_cpu - walk_cpu, 0.0)
+    if cpu is None:
+        notes.append("no CPU build row: the step's CPU build counted as 0")
+    if acc_cpu is None:
+        notes.append("no CPU accept-walk row: the step's walk counted as 0")
+    rest = step - build_cpu - walk_cpu
+    if rest < 0:
+        notes.append(f"the CPU build + walk ({build_cpu + walk_cpu:.3g} ms, from the sweeps) exceed the probe's "
+                     f"measured step ({step:.3g} ms): the two were measured on different machines or loads; "
+                     "'rest of step' shown as 0, so the bar is longer than the measured step")
+        rest = 0.0
     now = "measured step (probe) with CPU build + walk"
     rows = [(now, "rest of step", rest), (now, "tree build (CPU)", build_cpu),
             (now, "accept walk (CPU)", walk_cpu)]
     if gpu is not None:
         proj = f"projected: GPU kernels (Amdahl; kernel times from {source})"
+        if acc_gpu is None:
+            notes.append("no GPU accept row: the projection keeps the CPU walk")
         rows += [(proj, "rest of step", rest), (proj, "tree build (GPU)", gpu.median_us / 1e3),
                  (proj, "accept (GPU)", acc_gpu.median_us / 1e3 if acc_gpu is not None else walk_cpu)]
     t = pd.DataFrame(rows, columns=["scenario", "component", "ms"])
     t["batch"], t["budget"], t["verify_step_ms"] = batch, budget, step
+    t["notes"] = "; ".join(notes)
     return t

@@ -129,7 +129,14 @@ def step_breakdown(table: pd.DataFrame, path):
     for i, total in enumerate(totals):
         note = f"{total:.3g} ms" + ("" if i == 0 else f" ({100 * (total - base) / base:+.1f}%)")
         ax.text(total, i, " " + note, va="center", fontsize=9)
-    ax.set_xlim(0, totals.max() * 1.3)
+    step = float(table.verify_step_ms.iloc[0])
+    ax.axvline(step, color="k", ls="--", lw=1)   # the probe's measured step, whatever the bars add up to
+    ax.annotate(f"measured step {step:.3g} ms", (step, 1.0), xycoords=("data", "axes fraction"),
+                va="bottom", ha="center", fontsize=8)
+    ax.set_xlim(0, max(totals.max(), step) * 1.3)
+    notes = str(table["notes"].iloc[0]) if "notes" in table and table["notes"].iloc[0] else ""
+    if notes:
+        fig.text(0.01, -0.02, "Notes: " + notes, fontsize=7, va="top", wrap=True)
     ax.set(xlabel="ms per verify step", ylabel="",
            title=f"Where a verify step goes (batch {int(table.batch.iloc[0])}, budget {int(table.budget.iloc[0])})")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -24,10 +24,12 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
             prov_src = pd.read_parquet(p)
             break
     if prov_src is not None and not prov_src.empty:
-        r = prov_src.iloc[0]
-        parts += [f"Measured {r.utc_time} on `{r.host}` ({r.gpu_name or 'no GPU'}, driver {r.driver or '-'}, "
-                  f"CPU {r.cpu_model}), commit `{r.git_commit[:10]}`{' (dirty)' if r.git_dirty else ''}, "
-                  f"torch {r.torch_version}.", ""]
+        r = prov_src.iloc[0].to_dict()
+        if r.get("utc_time"):
+            commit = str(r.get("git_commit") or "")[:10]
+            parts += [f"Measured {r['utc_time']} on `{r.get('host')}` ({r.get('gpu_name') or 'no GPU'}, "
+                      f"driver {r.get('driver') or '-'}, CPU {r.get('cpu_model')}), commit `{commit}`"
+                      f"{' (dirty)' if r.get('git_dirty') else ''}, torch {r.get('torch_version')}.", ""]
     if any((rd / f"{n}.parquet").exists() for n in ("tree_build", "verify_attn", "tree_accept", "round")):
         parts += ["## Kernel targets (issue 7), from this run's rows", "", _md(check_targets(rd)), ""]
     d = read_ok_rows(rd / "tree_build.parquet")
@@ -64,7 +66,9 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
                   "torch op in the same run.", "", _md(piv.reset_index()), ""]
     bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
-        parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "", _md(bt), ""]
+        notes = [n for n in str(bt["notes"].iloc[0]).split("; ") if n]
+        parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "",
+                  _md(bt.drop(columns=["notes"])), ""] + [f"- {n}" for n in notes] + ([""] if notes else [])
     if skipped:
         parts += ["## Not rendered", ""] + [f"- {s}" for s in skipped] + [""]
     text = "\n".join(parts)

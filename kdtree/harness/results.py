@@ -41,6 +41,26 @@ def write_atomic(path, write) -> None:
         raise
 
 
+def write_parquets_atomic(frames: dict) -> None:
+    """Several Parquet files that belong together (a probe's rows and its summary): every
+    one is staged before any is renamed into place, so a failed write replaces none."""
+    staged = []
+    try:
+        for path, df in frames.items():
+            path = pathlib.Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            staged.append((tmp, path))
+            df.to_parquet(tmp, index=False)
+            os.chmod(tmp, 0o644)
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            pathlib.Path(tmp).unlink(missing_ok=True)
+
+
 def write_parquet_atomic(df: pd.DataFrame, path) -> None:
     write_atomic(path, lambda tmp: df.to_parquet(tmp, index=False))
 

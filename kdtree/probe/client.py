@@ -15,15 +15,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
+import os
 import pathlib
 import statistics
+import tempfile
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
 
 import pandas as pd
 
 from ..harness.provenance import new_run_id, provenance
-from ..harness.results import write_parquet_atomic
+from ..harness.results import write_parquets_atomic
 from . import add_arguments  # noqa: F401  (the CLI's arguments live beside the package's doc)
 
 BUILTIN_PROMPTS = [  # varied lengths: code, math, chat
@@ -61,29 +65,77 @@ class ProbeConfig:
     prompts: list = field(default_factory=list)
 
     def check(self):
-        for name in ("requests", "concurrency", "max_new_tokens", "max_consecutive_failures"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
-        if self.concurrency > 64:
-            raise ValueError(f"concurrency: expected <= 64 for a probe of a production service, "
-                             f"got {self.concurrency}")
-        for name in ("timeout_s", "max_wall_s"):
-            if not float(getattr(self, name)) > 0:
-                raise ValueError(f"{name}: expected a positive number of seconds")
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url: expected http(s)://host:port, got {self.url!r}")
+        for name, (lo, hi) in LIMITS.items():
+            v = getattr(self, name)
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            if name in INT_LIMITS:
+                ok = ok and float(v).is_integer()
+            if not ok or not (lo < v <= hi if name in OPEN_BELOW else lo <= v <= hi):
+                low = f"> {lo}" if name in OPEN_BELOW else f">= {lo}"
+                kind = "an integer" if name in INT_LIMITS else "a number"
+                raise ValueError(f"{name}: expected {kind} {low} and <= {hi} (a probe of a production "
+                                 f"service is bounded), got {v!r}")
+        check_url(self.url)
+
+
+# Bounds of a probe run (spec probe.md: everything bounded). Seconds for the *_s keys.
+LIMITS = {"requests": (1, 10_000), "concurrency": (1, 64), "max_new_tokens": (1, 32_768),
+          "max_consecutive_failures": (1, 1_000), "max_retries": (0, 10), "timeout_s": (0, 3_600),
+          "max_wall_s": (0, 86_400), "backoff_s": (0, 60), "temperature": (0, 100)}
+INT_LIMITS = {"requests", "concurrency", "max_new_tokens", "max_consecutive_failures", "max_retries"}
+OPEN_BELOW = {"timeout_s", "max_wall_s"}
+
+
+def check_url(url: str) -> None:
+    """http(s)://host[:port] with a port in 1..65535, or ValueError naming what is wrong."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port
+    except ValueError as e:
+        raise ValueError(f"url: expected http(s)://host:port with a port in 1-65535, got {url!r} ({e})") from None
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError(f"url: expected http(s)://host:port, got {url!r}")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"url: port {port} out of range 1-65535 in {url!r}")
+
+
+def check_output(path) -> None:
+    """Refuse an output path that cannot be written before any request is sent: a folder,
+    a missing or non-folder parent, or a parent this user cannot write."""
+    path = pathlib.Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise ValueError(f"out: {path} is a folder; expected a file path ending in .parquet")
+    if not parent.exists():
+        raise ValueError(f"out: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise ValueError(f"out: {parent} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
+    except OSError as e:
+        raise ValueError(f"out: cannot write in {parent}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def load_prompts(path: str | None) -> list[str]:
     """Built-in prompts, or a user file: JSON lines with a "text" key, or one prompt per line."""
     if not path:
         return list(BUILTIN_PROMPTS)
-    lines = [ln for ln in pathlib.Path(path).read_text().splitlines() if ln.strip()]
+    try:
+        lines = [ln for ln in pathlib.Path(path).read_text().splitlines() if ln.strip()]
+    except OSError as e:
+        raise ValueError(f"prompts: cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"prompts: {path} is not UTF-8 text") from None
     out = []
     for ln in lines:
         if ln.lstrip().startswith("{"):
-            obj = json.loads(ln)
-            if "text" not in obj:
+            try:
+                obj = json.loads(ln)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"prompts file {path}: a line starting with '{{' is not JSON ({e}): {ln[:80]}") from None
+            if not isinstance(obj, dict) or "text" not in obj:
                 raise ValueError(f"prompts file {path}: JSON line without a 'text' key: {ln[:80]}")
             out.append(str(obj["text"]))
         else:
@@ -135,8 +187,35 @@ def _percentiles(values, prefix: str) -> dict:
             f"{prefix}_p90": q(0.90), f"{prefix}_p99": q(0.99)}
 
 
+def describe(e: BaseException, timeout: float | None = None) -> str:
+    """An exception as "Type: reason", with a reason even where the library gives none
+    (httpx's timeouts carry an empty message)."""
+    import httpx
+
+    why = str(e).strip()
+    if not why:
+        if isinstance(e, httpx.TimeoutException):
+            why = f"no answer within {timeout:g} s" if timeout else "timed out"
+        elif isinstance(e, httpx.HTTPError):
+            why = "the connection failed"
+        else:
+            why = "no detail"
+    return f"{type(e).__name__}: {why[:200]}"
+
+
+def setup_timeout(cfg: "ProbeConfig") -> float:
+    """Identity calls (health, server info, models, metrics) wait at most this long each."""
+    return min(cfg.timeout_s, 10.0)
+
+
 async def _get_json(client, url: str, timeout: float):
-    r = await client.get(url, timeout=timeout)
+    """(json or None, HTTP status or an error string). Never raises for HTTP trouble."""
+    import httpx
+
+    try:
+        r = await client.get(url, timeout=httpx.Timeout(timeout))
+    except httpx.HTTPError as e:
+        return None, describe(e, timeout)
     if r.status_code != 200:
         return None, r.status_code
     try:
@@ -146,40 +225,53 @@ async def _get_json(client, url: str, timeout: float):
 
 
 async def server_identity(client, cfg: ProbeConfig) -> dict:
-    """/health, then /server_info (or /get_server_info), /v1/models and /metrics when present."""
+    """/health, then /server_info (or /get_server_info), /v1/models and /metrics when present.
+    Every call waits at most setup_timeout(cfg)."""
     import httpx
 
     base = cfg.url.rstrip("/")
+    t = setup_timeout(cfg)
     try:
-        h = await client.get(base + "/health", timeout=min(cfg.timeout_s, 10))
+        h = await client.get(base + "/health", timeout=httpx.Timeout(t))
     except httpx.HTTPError as e:
-        raise ProbeError(f"cannot reach {base}: {type(e).__name__}: {e}") from e
+        raise ProbeError(f"cannot reach {base}: {describe(e, t)}") from e
     if h.status_code != 200:
         raise ProbeError(f"{base}/health answered HTTP {h.status_code}: the service is not healthy "
                          "(or this is not an SGLang server); no load was sent")
-    info, _ = await _get_json(client, base + "/server_info", 10)
+    info, status = await _get_json(client, base + "/server_info", t)
+    if info is None and isinstance(status, str):   # it hung or dropped: the older name would too
+        raise ProbeError(f"{base}/server_info: {status}; no load was sent")
     if info is None:
-        info, _ = await _get_json(client, base + "/get_server_info", 10)
-    if info is None:
-        raise ProbeError(f"{base} has no /server_info or /get_server_info: not an SGLang server?")
-    models, _ = await _get_json(client, base + "/v1/models", 10)
+        info, status = await _get_json(client, base + "/get_server_info", t)
+    if not isinstance(info, dict):
+        raise ProbeError(f"{base} has no /server_info or /get_server_info ({status}): not an SGLang server?")
+    models, _ = await _get_json(client, base + "/v1/models", t)
     model = ""
-    if isinstance(models, dict) and models.get("data"):
-        model = str(models["data"][0].get("id", ""))
+    if isinstance(models, dict) and isinstance(models.get("data"), list) and models["data"]:
+        first = models["data"][0]
+        model = str(first.get("id", "")) if isinstance(first, dict) else ""
     model = model or str(info.get("model_path") or info.get("served_model_name") or "")
     metrics = ""
     try:
-        m = await client.get(base + "/metrics", timeout=10)
+        m = await client.get(base + "/metrics", timeout=httpx.Timeout(t))
         metrics = m.text if m.status_code == 200 else ""
     except httpx.HTTPError:
         pass
-    internal = info.get("internal_states") or [{}]
-    avg_accept = internal[0].get("avg_spec_accept_length") if isinstance(internal, list) and internal else None
     spec = {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
                                       "speculative_eagle_topk", "speculative_num_draft_tokens")}
     return {"server_url": base, "model": model, "server_version": str(info.get("version", "")),
             "spec_settings": json.dumps(spec, sort_keys=True), "tree_budget": spec.get("speculative_num_draft_tokens"),
-            "avg_spec_accept_length": avg_accept, "has_metrics": bool(metrics)}
+            "avg_spec_accept_length": server_accept_length(info), "has_metrics": bool(metrics)}
+
+
+def server_accept_length(info) -> float | None:
+    """/server_info's running average accept length, where the server reports one."""
+    if not isinstance(info, dict):
+        return None
+    st = info.get("internal_states")
+    if isinstance(st, list) and st and isinstance(st[0], dict):
+        return st[0].get("avg_spec_accept_length")
+    return None
 
 
 async def one_request(client, cfg: ProbeConfig, prompt: str, idx: int) -> dict:
@@ -245,7 +337,7 @@ async def one_request(client, cfg: ProbeConfig, prompt: str, idx: int) -> dict:
                     raise StreamCut("stream ended before its final chunk (connection dropped?)")
             t_end = time.perf_counter()
         except (httpx.HTTPError, json.JSONDecodeError, RuntimeError) as e:  # StreamCut included
-            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            row["error"] = describe(e, cfg.timeout_s)
             row["e2e_s"] = time.perf_counter() - t0
             return row
         if not meta:
@@ -272,59 +364,105 @@ async def one_request(client, cfg: ProbeConfig, prompt: str, idx: int) -> dict:
     return row
 
 
-async def run_probe(cfg: ProbeConfig) -> tuple[pd.DataFrame, dict, str]:
-    """Returns (per-request rows, run summary, message)."""
+@dataclass
+class ProbeRun:
+    """What a run has measured so far: kept when the run ends early (Ctrl-C included)."""
+    rows: list = field(default_factory=list)
+    ident: dict = field(default_factory=dict)
+    stop_reason: str = ""
+    wall_s: float = 0.0
+    t_start: float | None = None
+    server_after: dict | None = None
+
+
+async def run_probe(cfg: ProbeConfig, state: ProbeRun | None = None) -> tuple[pd.DataFrame, dict, str]:
+    """Returns (per-request rows, run summary, message). `state` collects the rows as they
+    finish, so a caller still has them when the run is interrupted.
+
+    Load is added only once the service has answered: the first request goes alone, and
+    after a failure requests go one at a time until one succeeds. A failing service thus
+    sees at most max_consecutive_failures requests, whatever the concurrency."""
     import httpx
 
     cfg.check()
     prompts = cfg.prompts or load_prompts(cfg.prompts_file)
-    limits = httpx.Limits(max_connections=cfg.concurrency + 2)
+    st = state if state is not None else ProbeRun()
+    # Identity calls on their own connections: the measured requests never reuse them.
+    async with httpx.AsyncClient() as setup:
+        st.ident = await server_identity(setup, cfg)
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    t_start = st.t_start = time.perf_counter()
     async with httpx.AsyncClient(limits=limits) as client:
-        ident = await server_identity(client, cfg)
-        rows: list[dict] = []
-        consecutive = 0
-        stop_reason = ""
-        next_idx = 0
-        t_start = time.perf_counter()
-        lock = asyncio.Lock()
+        consecutive, in_flight, next_idx, proven = 0, 0, 0, False
+        cond = asyncio.Condition()
 
         async def worker():
-            nonlocal consecutive, stop_reason, next_idx
+            nonlocal consecutive, in_flight, next_idx, proven
             while True:
-                async with lock:
-                    if stop_reason or next_idx >= cfg.requests:
-                        return
-                    if time.perf_counter() - t_start > cfg.max_wall_s:
-                        stop_reason = f"wall-time bound of {cfg.max_wall_s}s reached"
-                        return
-                    idx = next_idx
-                    next_idx += 1
-                row = await one_request(client, cfg, prompts[idx % len(prompts)], idx)
-                async with lock:
-                    rows.append(row)
+                async with cond:
+                    while True:
+                        if st.stop_reason or next_idx >= cfg.requests:
+                            return
+                        if time.perf_counter() - t_start > cfg.max_wall_s:
+                            st.stop_reason = f"wall-time bound of {cfg.max_wall_s:g} s reached"
+                            return
+                        if in_flight == 0 or (proven and consecutive == 0):
+                            break
+                        await cond.wait()
+                    idx, next_idx, in_flight = next_idx, next_idx + 1, in_flight + 1
+                try:
+                    row = await one_request(client, cfg, prompts[idx % len(prompts)], idx)
+                except asyncio.CancelledError:
+                    st.rows.append(dict(request_index=idx, ok=False, error="interrupted before it finished"))
+                    raise
+                async with cond:
+                    in_flight -= 1
+                    st.rows.append(row)
                     consecutive = 0 if row["ok"] else consecutive + 1
-                    if consecutive >= cfg.max_consecutive_failures and not stop_reason:
-                        stop_reason = (f"aborted after {consecutive} consecutive failures "
-                                       f"(last: {row['error']})")
+                    proven = proven or row["ok"]
+                    if consecutive >= cfg.max_consecutive_failures and not st.stop_reason:
+                        st.stop_reason = (f"aborted after {consecutive} consecutive failures "
+                                          f"(last: {row['error']})")
+                    cond.notify_all()
 
         await asyncio.gather(*[worker() for _ in range(cfg.concurrency)])
-        wall = time.perf_counter() - t_start
-        after, _ = await _get_json(client, cfg.url.rstrip("/") + "/server_info", 10)
-    df = pd.DataFrame(rows).sort_values("request_index").reset_index(drop=True)
-    summary = summarize(df, wall, cfg, ident)
-    # Cross-check: the server's own running average (over all its traffic, not only ours).
-    server_after = None
-    if isinstance(after, dict):
-        st = after.get("internal_states") or [{}]
-        server_after = st[0].get("avg_spec_accept_length") if st else None
+    st.wall_s = time.perf_counter() - t_start
+    # The server's own running average afterwards, for the cross-check; a server that died
+    # or hangs now costs one bounded call and no rows.
+    async with httpx.AsyncClient() as after:
+        info, _ = await _get_json(after, cfg.url.rstrip("/") + "/server_info", setup_timeout(cfg))
+    st.server_after = info if isinstance(info, dict) else None
+    return finish(cfg, st)
+
+
+def finish(cfg: ProbeConfig, st: ProbeRun) -> tuple[pd.DataFrame, dict, str]:
+    """Rows, summary and message from what a run measured, complete or not."""
+    if not st.wall_s and st.t_start is not None:
+        st.wall_s = time.perf_counter() - st.t_start
+    df = pd.DataFrame(st.rows, columns=ROW_COLUMNS if not st.rows else None)
+    for c in ROW_COLUMNS:
+        if c not in df:
+            df[c] = None
+    df["ok"] = df["ok"].fillna(False).astype(bool)
+    df = df.sort_values("request_index").reset_index(drop=True)
+    ident = st.ident or {"server_url": cfg.url.rstrip("/"), "model": "", "server_version": "",
+                         "spec_settings": "", "tree_budget": None, "avg_spec_accept_length": None,
+                         "has_metrics": False}
+    summary = summarize(df, st.wall_s, cfg, ident)
+    server_after = server_accept_length(st.server_after)
     summary["server_avg_spec_accept_length_after"] = server_after
     summary["accept_length_vs_server_rel"] = (
         (summary["accept_length"] - server_after) / server_after
         if summary.get("accept_length") and server_after else None)
-    msg = (f"probe: {int(df.ok.sum())}/{len(df)} requests ok in {wall:.1f}s"
-           + (f"; {stop_reason}" if stop_reason else ""))
-    summary["stop_reason"] = stop_reason
+    summary["stop_reason"] = st.stop_reason
+    msg = (f"probe: {int(df.ok.sum())}/{len(df)} requests ok in {st.wall_s:.1f}s"
+           + (f"; {st.stop_reason}" if st.stop_reason else ""))
     return df, summary, msg
+
+
+ROW_COLUMNS = ["request_index", "ok", "error", "http_status", "retries", "prompt_tokens", "completion_tokens",
+               "cached_tokens", "finish_reason", "ttft_s", "e2e_s", "tpot_s", "itl_mean_s", "decode_tok_s",
+               "spec_verify_ct", "accept_length", "server_e2e_latency_s", "chunks"]
 
 
 def summarize(df: pd.DataFrame, wall: float, cfg: ProbeConfig, ident: dict) -> dict:
@@ -348,36 +486,84 @@ def summarize(df: pd.DataFrame, wall: float, cfg: ProbeConfig, ident: dict) -> d
     return s
 
 
-def probe_to_parquet(cfg: ProbeConfig, out, summary_out=None) -> str:
-    df, summary, msg = asyncio.run(run_probe(cfg))
-    prompts = cfg.prompts or load_prompts(cfg.prompts_file)
+def summary_path(out) -> pathlib.Path:
+    out = pathlib.Path(out)
+    return out.with_name(out.stem + "_summary.parquet")
+
+
+def write_results(cfg: ProbeConfig, df: pd.DataFrame, summary: dict, out, summary_out=None) -> None:
+    """The rows and the summary, both staged first, then renamed one after the other; both
+    carry the run_id, so a reader can tell a matching pair."""
+    try:
+        prompts = cfg.prompts or load_prompts(cfg.prompts_file)
+    except ValueError:
+        prompts = []
     prompt_hash = hashlib.sha256("\n\x00".join(prompts).encode()).hexdigest()[:12]
     probe_cfg = {k: v for k, v in asdict(cfg).items() if k != "prompts"}
     prov = provenance(new_run_id(), probe_cfg)
-    ident_cols = {k: summary[k] for k in ("server_url", "model", "server_version", "spec_settings")}
+    ident_cols = {k: summary.get(k) for k in ("server_url", "model", "server_version", "spec_settings")}
     extra = dict(prov, **ident_cols, prompt_set_hash=prompt_hash, probe_config=json.dumps(probe_cfg))
     rows = df.drop(columns=["_itl"], errors="ignore").assign(**extra)
-    write_parquet_atomic(rows, out)
-    summary_out = summary_out or pathlib.Path(out).with_name(pathlib.Path(out).stem + "_summary.parquet")
-    write_parquet_atomic(pd.DataFrame([dict(summary, **extra)]), summary_out)
-    return msg
+    write_parquets_atomic({pathlib.Path(out): rows,
+                           pathlib.Path(summary_out or summary_path(out)): pd.DataFrame([dict(summary, **extra)])})
+
+
+@dataclass
+class ProbeOutcome:
+    message: str
+    ok_requests: int
+    requests: int
+
+
+def probe_to_parquet(cfg: ProbeConfig, out, summary_out=None) -> ProbeOutcome:
+    """Run the probe and write its Parquet; the rows measured before a Ctrl-C are written
+    too (and KeyboardInterrupt raised again)."""
+    cfg.check()
+    check_output(out)
+    check_output(summary_out or summary_path(out))
+    st = ProbeRun()
+    try:
+        df, summary, msg = asyncio.run(run_probe(cfg, st))
+    except KeyboardInterrupt:
+        st.stop_reason = "interrupted (Ctrl-C)"
+        df, summary, msg = finish(cfg, st)
+        write_results(cfg, df, summary, out, summary_out)
+        raise
+    write_results(cfg, df, summary, out, summary_out)
+    return ProbeOutcome(msg, int(df.ok.sum()), len(df))
 
 
 def main(args) -> int:
+    """Exit 0: at least one request succeeded (or --record-failure and the service could
+    not be probed); 1: the service was reached but no request succeeded; 2: a bad setting
+    or output path (nothing sent); 130: interrupted (what was measured is written)."""
     cfg = ProbeConfig(url=args.url, requests=args.requests, concurrency=args.concurrency,
                       max_new_tokens=args.max_new_tokens, timeout_s=args.timeout,
                       max_wall_s=args.max_wall, max_consecutive_failures=args.max_consecutive_failures,
                       temperature=args.temperature, prompts_file=args.prompts)
     try:
         cfg.check()
-        print(probe_to_parquet(cfg, args.out))
-    except (ProbeError, ValueError) as e:
+        if args.prompts:
+            load_prompts(args.prompts)
+        check_output(args.out)
+        check_output(summary_path(args.out))
+    except ValueError as e:
+        print(f"probe: {e}")
+        return 2
+    try:
+        outcome = probe_to_parquet(cfg, args.out)
+    except KeyboardInterrupt:
+        print(f"probe: interrupted; the requests that finished are in {args.out}")
+        return 130
+    except ProbeError as e:
         print(f"probe: {e}")
         # Nothing lost: the failure itself is a row, so a pipeline run shows why it has no data.
-        prov = provenance(new_run_id(), {"url": args.url})
-        row = dict(prov, request_index=-1, ok=False, error=str(e), server_url=args.url)
-        write_parquet_atomic(pd.DataFrame([row]), args.out)
-        summary = pathlib.Path(args.out).with_name(pathlib.Path(args.out).stem + "_summary.parquet")
-        write_parquet_atomic(pd.DataFrame([dict(row, stop_reason=str(e), verify_step_ms=None)]), summary)
+        row = dict(request_index=-1, ok=False, error=str(e))
+        write_results(cfg, pd.DataFrame([row]), dict(server_url=cfg.url.rstrip("/"), stop_reason=str(e),
+                                                     verify_step_ms=None, requests=0, ok_requests=0), args.out)
         return 0 if args.record_failure else 2
+    print(outcome.message)
+    if outcome.ok_requests == 0:
+        print("probe: no request succeeded" + (" (recorded: --record-failure)" if args.record_failure else ""))
+        return 0 if args.record_failure else 1
     return 0
