@@ -20,6 +20,9 @@ class BuildPy(build_py):
         pkg = pathlib.Path(self.build_lib) / "kdtree"
         shutil.rmtree(pkg / "_kernels", ignore_errors=True)
         shutil.copytree(ROOT / "kernels", pkg / "_kernels", ignore=shutil.ignore_patterns("*.md"))
+        # The config schema: `kdtree sweep --cfg-json` checks against it (kdtree/harness/config.py).
+        (pkg / "_schema").mkdir(exist_ok=True)
+        shutil.copy2(ROOT / "workflow" / "schemas" / "config.schema.yaml", pkg / "_schema")
         if os.environ.get("KDTREE_BUILD_KERNELS", "1") == "0":
             print("kdtree: KDTREE_BUILD_KERNELS=0: the kernels compile on first use", file=sys.stderr)
             return

@@ -25,6 +25,10 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
 }
 
 
+# The figures `figures` and `report --figures` render (kdtree.harness.figures.render_all).
+FIGURES = ["tree_build", "verify_attn", "tree_accept", "worker_round", "step_breakdown"]
+
+
 def _cfg(args, section: str) -> dict:
     cfg = dict(DEFAULTS[section])
     if args.cfg_json:
@@ -35,13 +39,21 @@ def _cfg(args, section: str) -> dict:
         if not isinstance(given, dict):
             sys.exit(f"--cfg-json: expected a JSON object, got {type(given).__name__}")
         cfg.update(given)
+    from .harness.config import check_section
+    check_section(f"sweep_{section}", {k: v for k, v in cfg.items() if k != "gpu_mem_cap_gb"})
     return cfg
 
 
 def cmd_build(args):
+    import subprocess
     from .build import DEFAULT_ARCHS, build
-    path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs,
-                 extra_flags=tuple(args.extra_flags.split()) if args.extra_flags else ())
+    try:
+        path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs,
+                     extra_flags=tuple(args.extra_flags.split()) if args.extra_flags else ())
+    except RuntimeError as e:           # no nvcc, too old an nvcc
+        sys.exit(f"kdtree build: {e}")
+    except subprocess.CalledProcessError as e:
+        sys.exit(f"kdtree build: the compile failed (exit {e.returncode}); nvcc's messages are above")
     print(path)
 
 
@@ -87,17 +99,28 @@ def cmd_test_gpu(args):
     sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args))
 
 
+def _results_folder(cmd: str, folder) -> None:
+    """A results folder that exists and holds Parquet, or a clear exit."""
+    rd = pathlib.Path(folder)
+    if not rd.is_dir():
+        sys.exit(f"{cmd}: --results {folder}: no such folder")
+    if not any(rd.glob("*.parquet")):
+        sys.exit(f"{cmd}: --results {folder}: no Parquet files there (has the pipeline run?)")
+
+
 def cmd_figures(args):
+    _results_folder("figures", args.results)
     from .harness.figures import render_all
-    skipped = render_all(args.results, args.out, args.kernel_times)
+    skipped = render_all(args.results, args.out, args.kernel_times, only=args.figure)
     for s in skipped:
         print(f"figures: skipped {s}")
 
 
 def cmd_report(args):
+    _results_folder("report", args.results)
     from .harness.figures import render_all
     from .harness.report import render
-    skipped = render_all(args.results, args.figures, args.kernel_times) if args.figures else []
+    skipped = render_all(args.results, args.figures, args.kernel_times, only=args.figure) if args.figures else []
     render(args.results, args.out, skipped + list(args.note or []), args.kernel_times)
     print(f"report -> {args.out}")
 
@@ -105,6 +128,10 @@ def cmd_report(args):
 def cmd_gather(args):
     import pandas as pd
     from .harness.results import write_parquet_atomic
+    missing = [p for p in args.shards if not pathlib.Path(p).is_file()]
+    if missing:
+        sys.exit(f"gather: shard {missing[0]} not found ({len(missing)} of {len(args.shards)} missing; "
+                 "did its sweep job fail? its log says)")
     frames = [pd.read_parquet(p) for p in args.shards]
     df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     write_parquet_atomic(df, args.out)
@@ -113,6 +140,13 @@ def cmd_gather(args):
 
 def cmd_check(args):
     from .tools.deploy_checks import check_container, check_slurm_plan
+    need = 3 if args.what == "container" else 1
+    if len(args.paths) != need:
+        sys.exit(f"check {args.what}: expected {need} path(s) "
+                 f"({'DEF CONSTRAINTS README' if need == 3 else 'DRYRUN_OUTPUT'}), got {len(args.paths)}")
+    for p in args.paths:
+        if not pathlib.Path(p).is_file():
+            sys.exit(f"check {args.what}: {p}: no such file")
     if args.what == "container":
         problems = check_container(*args.paths)
     else:
@@ -179,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--results", required=True)
     f.add_argument("--out")
     f.add_argument("--kernel-times", help="GPU kernel times for the breakdown when this run has none")
+    f.add_argument("--figure", action="append", choices=FIGURES, help="only this figure (repeatable)")
     f.set_defaults(fn=cmd_figures)
     r = sub.add_parser("report", help="Markdown report from the Parquet in a results folder")
     r.add_argument("--results", required=True)
@@ -186,6 +221,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--figures", help="also (re)render figures into this folder")
     r.add_argument("--note", action="append", help="a line for the report's 'not rendered' list")
     r.add_argument("--kernel-times", help="GPU kernel times for the breakdown when this run has none")
+    r.add_argument("--figure", action="append", choices=FIGURES, help="with --figures: only this one (repeatable)")
     r.set_defaults(fn=cmd_report)
     g = sub.add_parser("gather", help="join sweep shards into one Parquet")
     g.add_argument("--out", required=True)
@@ -215,8 +251,11 @@ EXTRAS = {"pandas": "harness", "pyarrow": "harness", "seaborn": "harness", "matp
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    from .checks import InputError
     try:
         args.fn(args)
+    except InputError as e:   # a bad argument or config value: the message names it
+        sys.exit(f"kdtree {args.cmd}: {e}")
     except ModuleNotFoundError as e:
         extra = EXTRAS.get((e.name or "").split(".")[0])
         if extra is None:

@@ -50,6 +50,32 @@ def test_bad_arguments_are_named(bad, match):
         build_tree(*bad(lp, ids), 4)
 
 
+@pytest.mark.parametrize("poke,match", [
+    (lambda lp, ids: lp.__setitem__((1, 0), 0.25), r"top_logprobs: expected log-probabilities <= 0.*0.25 at index \(1, 0\)"),
+    (lambda lp, ids: lp.__setitem__((2, 3), -0.01), "top_logprobs: expected each row sorted descending, row 2 rises at column 3"),
+    (lambda lp, ids: ids.__setitem__((0, 1), -5), r"top_ids: expected token ids >= 0, got -5 at index \(0, 1\)"),
+])
+def test_inputs_outside_the_contract_are_refused(poke, match):
+    lp, ids = arrays()
+    poke(lp, ids)
+    with pytest.raises(InputError, match=match):
+        build_tree(lp, ids, 8)
+
+
+def test_only_the_columns_read_are_checked():
+    lp, ids = arrays()
+    lp[:, 3] = 0.5                       # past min(budget, K) = 3: never read
+    ids[:, 3] = -1
+    assert build_tree(lp, ids, 3).tokens.size == 3
+
+
+@pytest.mark.parametrize("budget", [0, -1, -1000])
+def test_budget_at_or_below_zero_is_the_root_only_tree(budget):
+    lp, ids = arrays()
+    t = build_tree(lp, ids, budget)
+    assert t.tokens.size == 0 and t.parents.tolist() == [-1]
+
+
 def test_bad_budget():
     lp, ids = arrays()
     with pytest.raises(InputError, match="budget: expected <= 1024"):

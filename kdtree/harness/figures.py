@@ -29,6 +29,20 @@ def _save(fig, path):
     tmp.replace(path)
 
 
+def _batch_hue(d: pd.DataFrame) -> dict:
+    """Batch as a categorical hue, one distinct colour each (a numeric hue put 1, 4 and 16
+    on nearly one colour beside 256)."""
+    order = [str(b) for b in sorted(d.batch.unique())]
+    return dict(hue=d.batch.astype(str).rename("batch"), hue_order=order,
+                palette=sns.color_palette("viridis", n_colors=max(len(order), 1)))
+
+
+def _legend_outside(ax, **kw):
+    """The legend beside the axes, where it cannot cover data."""
+    if ax.get_legend() is not None:
+        sns.move_legend(ax, "upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, **kw)
+
+
 def _placeholder(path, title: str, why: str):
     fig, ax = plt.subplots(figsize=(6, 2))
     ax.axis("off")
@@ -44,22 +58,24 @@ def tree_build(df: pd.DataFrame, path):
     cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
     gpu = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
     lat = d[(d.impl == "gpu_kernel") & (d.metric == "caller_latency")][["batch", "budget", "median_us"]]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    panels = 1 if gpu.empty else 2   # a CPU-only run has no speedup to show
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.2), squeeze=False)
+    axes = axes[0]
     long = pd.concat([cpu.assign(impl="CPU heapq (reference)"), gpu.assign(impl="GPU kernel, device time"),
-                      lat.assign(impl="GPU kernel, caller latency")])
-    sns.lineplot(long, x="budget", y="median_us", hue="batch", style="impl", marker="o", ax=axes[0],
-                 palette="viridis")
-    axes[0].set(xscale="log", yscale="log", ylabel="time per batch (us)", title="Tree build time")
-    if gpu.empty:
-        axes[1].axis("off")
-        axes[1].text(0.5, 0.5, "GPU rows skipped: no CUDA device in this run", ha="center")
-    else:
+                      lat.assign(impl="GPU kernel, caller latency")]).rename(columns={"impl": "time"})
+    sns.lineplot(long, x="budget", y="median_us", style="time", marker="o", ax=axes[0], **_batch_hue(long))
+    axes[0].set(xscale="log", yscale="log", ylabel="time per batch (us)",
+                title="Tree build time" + ("" if panels == 2 else " (CPU only: no CUDA device in this run)"))
+    _legend_outside(axes[0])
+    if panels == 2:
         m = cpu.merge(gpu, on=["batch", "budget"], suffixes=("_cpu", "_gpu"))
         m["speedup"] = m.median_us_cpu / m.median_us_gpu
-        sns.barplot(m, x="budget", y="speedup", hue="batch", ax=axes[1], palette="viridis")
+        sns.barplot(m, x="budget", y="speedup", ax=axes[1], **_batch_hue(m))
         axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build")
+        _legend_outside(axes[1])
     L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
     fig.suptitle(f"DDTree build, {L}{_gpu_label(df)}")
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -79,20 +95,26 @@ def verify_attn(df: pd.DataFrame, path):
     if d.empty:
         return _placeholder(path, "Tree-verify attention", "no measured rows")
     d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(2, 1, figsize=(11, 9.5))
     k = d[d.impl == "kdtree_kernel"]
     sns.scatterplot(k, x="floor_us", y="median_us", hue="shape", style="batch", s=60, ax=axes[0])
     lo, hi = k.floor_us.min() * 0.8, max(k.median_us.max(), k.floor_us.max()) * 1.2
     axes[0].plot([lo, hi], [lo, hi], "k--", lw=1, label="roofline floor")
     axes[0].set(xscale="log", yscale="log", xlabel="roofline floor (us)", ylabel="measured (us)",
                 title="Kernel time against the roofline floor")
-    axes[0].legend(fontsize=7, ncol=2)
+    axes[0].legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     d = d.assign(implementation=d.impl.map(VERIFY_IMPLS).fillna(d.impl))
     sns.barplot(d, x="shape", y="roofline_fraction", hue="implementation", ax=axes[1], errorbar=None)
     axes[1].set(ylabel="floor / time (1 = at the roofline)", title="Achieved fraction, all P and B")
     axes[1].tick_params(axis="x", rotation=45)
+    _legend_outside(axes[1])
     fig.suptitle(f"MLA tree-verify attention, bf16 ({_gpu_label(df)})")
+    fig.tight_layout()
     _save(fig, path)
+
+
+ACCEPT_IMPLS = {"cpu_walk": "CPU walk (reference)", "gpu_kernel": "GPU kernel, from the links",
+                "gpu_kernel_parents": "GPU kernel, from the parents"}
 
 
 def tree_accept(df: pd.DataFrame, path):
@@ -104,15 +126,21 @@ def tree_accept(df: pd.DataFrame, path):
     rates = sorted(d.follow.unique(), reverse=True)
     fig, axes = plt.subplots(1, len(rates), figsize=(6.5 * len(rates), 4), squeeze=False,
                              sharey=True)
+    d = d.assign(implementation=d.impl.map(ACCEPT_IMPLS).fillna(d.impl),
+                 slots=d.D.astype(str).rename("slots D"))
     for ax, rate in zip(axes[0], rates):
-        sns.lineplot(d[d.follow == rate], x="batch", y="median_us", hue="impl", style="D",
+        sns.lineplot(d[d.follow == rate], x="batch", y="median_us", hue="implementation", style="slots",
                      marker="o", ax=ax)
-        ax.axhline(ACCEPT_TARGET_US, color="grey", ls=":", lw=1)   # issue 7's bound for the GPU kernels
+        ax.axhline(ACCEPT_TARGET_US, color="grey", ls=":", lw=1)   # the GPU kernels' target
         ax.annotate(f"target {ACCEPT_TARGET_US:g} us", (0.01, ACCEPT_TARGET_US), xycoords=("axes fraction", "data"),
                     va="bottom", fontsize=8, color="grey")
         ax.set(xscale="log", yscale="log", ylabel="time per batch (us)",
                title=f"targets follow the first child: {rate:.0%}")
-    fig.suptitle(f"Greedy tree accept ({_gpu_label(df)})")
+        ax.get_legend().remove() if ax is not axes[0][-1] and ax.get_legend() else None
+    _legend_outside(axes[0][-1])
+    fig.suptitle(f"Greedy tree accept ({_gpu_label(df)}); 'follow': how often the target token is the first "
+                 "child's", fontsize=10)
+    fig.tight_layout()
     _save(fig, path)
 
 
@@ -162,18 +190,23 @@ def worker_round(df: pd.DataFrame, path):
     _save(g.figure, path)
 
 
-def render_all(results_dir, fig_dir=None, kernel_times_dir=None) -> list[str]:
-    """Render every figure the Parquet files in results_dir support; returns what it skipped."""
+def render_all(results_dir, fig_dir=None, kernel_times_dir=None, only=None) -> list[str]:
+    """Render every figure the Parquet files in results_dir support (or those named in
+    `only`: a rule writes exactly what it declares); returns what it skipped."""
     results_dir = pathlib.Path(results_dir)
     fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
     skipped = []
     for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept),
                      ("worker_round", worker_round)):
+        if only is not None and name not in only:
+            continue
         p = results_dir / f"{name}.parquet"
         if p.exists():
             fn(pd.read_parquet(p), fig_dir / f"{name}.png")
         else:
             skipped.append(f"{name}: {p} not found")
+    if only is not None and "step_breakdown" not in only:
+        return skipped
     from .breakdown import breakdown_table
     bt = breakdown_table(results_dir, kernel_times_dir)
     if bt is not None:

@@ -1,4 +1,4 @@
-"""The kernel performance targets (issue 7), checked against a run's own Parquet rows.
+"""The kernel performance targets (docs/results.md), checked against a run's own Parquet rows.
 
 Every verdict comes from measured rows of the same run (floors and copy bandwidth are
 measured in that run too). A target whose points the run did not measure says so; it is

@@ -84,12 +84,38 @@ def _check_stage_b(top_logprobs, top_ids, budget):
         raise InputError(f"top_ids: expected the shape of top_logprobs {tuple(lp.shape)}, "
                          f"got {tuple(ids.shape)}")
     budget = check_int("budget", budget, hi=MAX_BUDGET)
-    return check_log_probs("top_logprobs", lp), ids, budget
+    lp = check_log_probs("top_logprobs", lp)
+    # The columns the build reads: sorted log-probs <= 0, ids >= 0 (a log_softmax's top-k).
+    used = slice(0, max(0, min(budget, lp.shape[1])))
+    head, head_ids = lp[:, used], ids[:, used]
+    if head.size:
+        if (head > 0).any():
+            at = tuple(int(i) for i in np.argwhere(head > 0)[0])
+            raise InputError(f"top_logprobs: expected log-probabilities <= 0 (a log_softmax's top-k), "
+                             f"got {float(head[at]):g} at index {at}")
+        if (head[:, 1:] > head[:, :-1]).any():
+            l, k = (int(i) for i in np.argwhere(head[:, 1:] > head[:, :-1])[0])
+            raise InputError(f"top_logprobs: expected each row sorted descending, row {l} rises at "
+                             f"column {k + 1}")
+        if (head_ids < 0).any():
+            at = tuple(int(i) for i in np.argwhere(head_ids < 0)[0])
+            raise InputError(f"top_ids: expected token ids >= 0, got {int(head_ids[at])} at index {at}")
+    return lp, ids, budget
 
 
 def build_tree(top_logprobs, top_ids, budget: int) -> Tree:
-    """The spec's best-first build from stage-A arrays (float32/int64 ``[L, K]``)."""
-    lp32, ids, budget = _check_stage_b(top_logprobs, top_ids, budget)
+    """The spec's best-first build from stage-A arrays (float32/int64 ``[L, K]``).
+
+    ``budget <= 0`` gives the root-only tree (the spec's rule). Refused, naming the index:
+    NaN or +inf log-probs, log-probs > 0, rows not sorted descending, negative token ids
+    (only the first ``min(budget, K)`` columns are read, and checked). -inf is clamped to
+    ``NEG_INF_FLOOR``."""
+    return heap_build(*_check_stage_b(top_logprobs, top_ids, budget))
+
+
+def heap_build(lp32: np.ndarray, ids: np.ndarray, budget: int) -> Tree:
+    """The heapq build itself, on inputs ``build_tree`` has checked (the CPU sweep times this:
+    the worker's build does not check its inputs either)."""
     L = lp32.shape[0]
     K = min(budget, lp32.shape[1])
     ranks: list[int] = []

@@ -1,6 +1,8 @@
 # Targets follow the machine and the config: what cannot run here is said, not failed.
 import json
+import os
 import shlex
+import sys
 
 
 def _use_gpu():
@@ -74,8 +76,8 @@ wildcard_constraints:
 
 def sweep_code(name):
     """What a sweep's numbers depend on besides the kernels: its module and the library."""
-    return [f"kdtree/harness/sweeps/{name}.py", "kdtree/harness/sweeps/runner.py", "kdtree/ops.py",
-            "kdtree/reference/tree.py"] + (["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"]
+    return [f"kdtree/harness/sweeps/{name}.py", "kdtree/harness/sweeps/runner.py", "kdtree/harness/timing.py",
+            "kdtree/harness/workloads.py", "kdtree/ops.py", "kdtree/reference/tree.py"] + (["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"]
                                            if name == "worker_round" else [])
 
 
@@ -87,6 +89,19 @@ def parquet_targets():
     if PROBE:
         t += [f"{RD}/probe.parquet"]
     return t
+
+
+def cached_figure_names():
+    """Figures `snakemake figures` re-renders: those the Parquet already in RD supports."""
+    names = [n for n in ("tree_build", "verify_attn", "tree_accept", "worker_round")
+             if os.path.exists(f"{RD}/{n}.parquet")]
+    if os.path.exists(f"{RD}/probe.parquet"):
+        names.append("step_breakdown")
+    return names
+
+
+def figure_flags(names):
+    return " ".join(f"--figure {n}" for n in names)
 
 
 def figure_names():
@@ -114,9 +129,10 @@ def skipped_notes():
     return " ".join(f"--note {shlex.quote(s)}" for s in SKIPPED)
 
 
-onstart:
-    for s in SKIPPED:
-        print(f"kdtree: skipped {s}")
+# Said when the workflow is read, so a dry-run (-n) says it too; jobs re-reading it stay quiet.
+if workflow.is_main_process:
+    for _s in SKIPPED:
+        print(f"kdtree: skipped {_s}", file=sys.stderr)
 
 
 def gpu_inputs():

@@ -17,22 +17,30 @@ rule report:
         rd=lambda wc, output: os.path.dirname(output.md),
         notes=skipped_notes(),
         kt=kernel_times_flag(),
+        names=figure_flags(figure_names()),
     shell:
         "python3 -m kdtree report --results {params.rd} --out {output.md} --figures {params.rd}/figures "
-        "{params.notes} {params.kt} > {log} 2>&1"
+        "{params.names} {params.notes} {params.kt} > {log} 2>&1"
 
 
-# `snakemake figures`: re-render from whatever Parquet the results folder holds
-# (e.g. the committed reference set) with no GPU and no sweep re-run.
+# `snakemake figures`: re-render the figures from whatever Parquet the results folder holds
+# (e.g. the committed reference set) with no GPU and no sweep re-run. The report stays the
+# report rule's: it also says what its run skipped, which only that run knows.
+ruleorder: report > render_cached_figures
+
+
 rule render_cached_figures:
     input:
         code=PLOT_CODE,
     output:
-        touch(f"{RD}/figures/.rendered"),
+        stamp=touch(f"{RD}/figures/.rendered"),
+        figs=[f"{RD}/figures/{n}.png" for n in cached_figure_names()],
     log:
         f"{RD}/logs/figures.log",
     params:
-        rd=lambda wc, output: os.path.dirname(os.path.dirname(output[0])),
+        rd=lambda wc, output: os.path.dirname(os.path.dirname(output.stamp)),
+        names=figure_flags(cached_figure_names()),
+        kt=kernel_times_flag(),
     shell:
-        "python3 -m kdtree report --results {params.rd} --out {params.rd}/report.md "
-        "--figures {params.rd}/figures > {log} 2>&1"
+        "python3 -m kdtree figures --results {params.rd} --out {params.rd}/figures {params.names} {params.kt} "
+        "> {log} 2>&1"

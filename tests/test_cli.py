@@ -1,0 +1,57 @@
+"""Bad input on the command line: a clear message naming what is wrong and a non-zero exit,
+never a traceback, and nothing written."""
+import argparse
+
+import pandas as pd
+import pytest
+
+from kdtree.cli import DEFAULTS, _cfg, main
+
+
+def run(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return e.value.code, f"{e.value.code if isinstance(e.value.code, str) else ''}{out.out}{out.err}"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["gather", "--out", "{tmp}/g.parquet", "{tmp}/missing.parquet"], "shard {tmp}/missing.parquet not found"),
+    (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", "not json"], "--cfg-json: expected"),
+    (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", '{"batches": [-4]}'],
+     "sweep_tree_build.batches[0]: -4 is less than the minimum of 1"),
+    (["sweep", "tree-accept", "--out", "{tmp}/s.parquet", "--cfg-json", '{"slots": [17], "bogus": 1}'],
+     "sweep_tree_accept: Additional properties are not allowed ('bogus' was unexpected)"),
+    (["check", "container", "{tmp}/nope.def", "constraints.txt", "README.md"], "{tmp}/nope.def: no such file"),
+    (["check", "container", "{tmp}/nope.def"], "expected 3 path(s)"),
+    (["build", "--build-dir", "{tmp}/b", "--archs", "sm_bogus"], "archs: expected entries like 'sm_90a'"),
+    (["report", "--results", "{tmp}/nonexistent", "--out", "{tmp}/r.md"], "no such folder"),
+    (["report", "--results", "{tmp}", "--out", "{tmp}/r.md"], "no Parquet files there"),
+    (["figures", "--results", "{tmp}/nonexistent"], "no such folder"),
+])
+def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, text = run(argv, capsys)
+    assert code not in (0, None), text
+    assert needle.replace("{tmp}", str(tmp_path)) in text, text
+    assert "Traceback" not in text
+    assert not list(tmp_path.glob("*.parquet")) and not (tmp_path / "r.md").exists()
+
+
+def test_every_sweep_default_passes_its_schema_section():
+    for section in DEFAULTS:
+        _cfg(argparse.Namespace(cfg_json=None), section)   # raises InputError if the table drifted
+
+
+def test_a_negative_batch_writes_no_error_rows(tmp_path, capsys):
+    out = tmp_path / "s.parquet"
+    code, _ = run(["sweep", "tree-build", "--cpu-only", "--out", out, "--cfg-json", '{"batches": [-1]}'], capsys)
+    assert code != 0 and not out.exists()
+
+
+def test_gather_joins_present_shards(tmp_path, capsys):
+    for i in range(2):
+        pd.DataFrame({"x": [i]}).to_parquet(tmp_path / f"s{i}.parquet")
+    main(["gather", "--out", str(tmp_path / "g.parquet"), str(tmp_path / "s0.parquet"), str(tmp_path / "s1.parquet")])
+    assert sorted(pd.read_parquet(tmp_path / "g.parquet").x) == [0, 1]
+

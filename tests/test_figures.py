@@ -1,0 +1,77 @@
+"""Figures and the report read well: legends beside the data, a distinct colour per batch,
+no empty panel, readable names and numbers. Rendered from the committed reference Parquet
+and from a CPU-only run's."""
+import pathlib
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from kdtree.harness import figures
+from kdtree.harness.report import render
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+REF = ROOT / "results" / "reference"
+RAW_NAMES = ("cpu_walk", "gpu_kernel", "cpu_heapq", "kdtree_kernel", "torch_sdpa")
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    figs = []
+    monkeypatch.setattr(figures, "_save", lambda fig, path: figs.append(fig))
+    yield figs
+    for f in figs:
+        matplotlib.pyplot.close(f)
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def check_readable(fig):
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    axes = [ax for ax in fig.axes if ax.get_visible() and ax.axison]
+    assert axes, "a figure without a panel"
+    for ax in fig.axes:
+        assert ax.axison or not ax.has_data(), "a panel switched off"   # no empty panel left in
+        leg = ax.get_legend()
+        if leg is None:
+            continue
+        box = leg.get_window_extent(r)
+        for other in axes:
+            assert not _overlaps(box, other.get_window_extent(r)), f"legend of '{ax.get_title()}' covers a panel"
+        labels = [t.get_text() for t in leg.get_texts()]
+        assert not [l for l in labels if l in RAW_NAMES], labels
+
+
+@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round"])
+def test_reference_figures_are_readable(captured, name):
+    getattr(figures, name)(pd.read_parquet(REF / f"{name}.parquet"), "unused.png")
+    check_readable(captured[-1])
+
+
+def test_each_batch_has_its_own_colour(captured):
+    figures.tree_build(pd.read_parquet(REF / "tree_build.parquet"), "unused.png")
+    leg = captured[-1].axes[0].get_legend()
+    colours = {t.get_text(): tuple(h.get_color()) for t, h in zip(leg.get_texts(), leg.legend_handles)
+               if t.get_text().isdigit()}
+    assert sorted(colours, key=int) == ["1", "16", "64", "256"]
+    rgb = [matplotlib.colors.to_rgb(c) for c in colours.values()]
+    closest = min(sum((x - y) ** 2 for x, y in zip(a, b)) ** 0.5 for i, a in enumerate(rgb) for b in rgb[i + 1:])
+    assert closest > 0.15, colours                 # told apart at a glance, not shades of one colour
+
+
+def test_a_cpu_only_build_figure_has_one_panel(captured):
+    d = pd.read_parquet(REF / "tree_build.parquet")
+    figures.tree_build(d[d.impl == "cpu_heapq"], "unused.png")
+    fig = captured[-1]
+    assert len([ax for ax in fig.axes if ax.axison]) == 1
+    check_readable(fig)
+
+
+def test_report_prints_counts_as_integers_and_explains_follow(tmp_path):
+    text = render(REF, tmp_path / "report.md")
+    assert "e+0" not in text                       # no 1.02e+03 budgets, no 2.95e+04 us
+    assert "|     1024 |" in text or "| 1024 |" in text.replace("  ", " ")
+    assert "`follow`: how often the target token is the first child's" in text

@@ -1,0 +1,71 @@
+"""The Snakemake workflow's plan, read from dry-runs: what a rule depends on, what it
+writes, what a run says it skips; and re-rendering the reference figures changes nothing."""
+import filecmp
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(
+    shutil.which("snakemake") is None and not (pathlib.Path(sys.executable).parent / "snakemake").exists(),
+    reason="snakemake not installed")
+
+
+def snakemake(*args, timeout=600):
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}", MPLBACKEND="Agg")
+    r = subprocess.run([sys.executable, "-m", "snakemake", *map(str, args), "--directory", str(ROOT)], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    return r.stdout + r.stderr
+
+
+def jobs(plan: str) -> list[dict]:
+    """The dry-run's jobs: rule name, input and output lists."""
+    out = []
+    for block in re.split(r"\n(?=(?:local)?rule )", plan):
+        m = re.match(r"(?:local)?rule (\w+):", block)
+        if not m:
+            continue
+        field = lambda k: [x.strip() for x in (re.search(rf"^\s+{k}: (.*)$", block, re.M) or [None, ""])[1].split(",")
+                           if x.strip()]
+        out.append({"rule": m.group(1), "input": field("input"), "output": field("output")})
+    return out
+
+
+def test_every_sweep_depends_on_the_code_behind_its_numbers():
+    plan = jobs(snakemake("-n", "--forceall", "--cores", 8, "all", "--config", "gpu=true"))
+    sweeps = [j for j in plan if j["rule"].startswith("sweep_")]
+    assert {j["rule"] for j in sweeps} >= {"sweep_tree_build_shard", "sweep_tree_accept",
+                                           "sweep_verify_attn_shard", "sweep_gpu"}
+    for j in sweeps:
+        name = pathlib.Path(j["output"][0]).stem
+        module = {"batch": "tree_build", "heads": "verify_attn"}.get(re.sub(r"\d+$", "", name), name)
+        for code in (f"kdtree/harness/sweeps/{module}.py", "kdtree/harness/timing.py",
+                     "kdtree/harness/workloads.py", "kdtree/ops.py"):
+            assert code in j["input"], (j["rule"], code, j["input"])
+
+
+def test_a_cpu_dry_run_says_what_it_skips():
+    text = snakemake("-n", "--cores", 2, "all", "--configfile", "config/smoke.yaml", "--config", "gpu=false")
+    assert "kdtree: skipped GPU rules (test_correctness, sweep_verify_attn, sweep_gpu: round" in text
+    assert "kdtree: skipped probe_service: no probe.url in config" in text
+
+
+def test_rerendering_the_reference_figures_changes_nothing(tmp_path):
+    ref = ROOT / "results" / "reference"
+    copy = tmp_path / "reference"
+    shutil.copytree(ref, copy, ignore=shutil.ignore_patterns(".snakemake*", "logs"))
+    plan = jobs(snakemake("-n", "--cores", 1, "figures", "--config", f"results_dir={copy}"))
+    render = [j for j in plan if j["rule"] == "render_cached_figures"][0]
+    assert sorted(pathlib.Path(o).name for o in render["output"]) == \
+        sorted([".rendered"] + [p.name for p in (ref / "figures").glob("*.png")])   # declares all it writes
+    snakemake("--cores", 1, "figures", "--config", f"results_dir={copy}")
+    for f in sorted(ref.rglob("*")):
+        if f.is_file() and ".snakemake" not in str(f) and "logs" not in f.parts:
+            twin = copy / f.relative_to(ref)
+            assert filecmp.cmp(f, twin, shallow=False), f"re-rendering changed {f.relative_to(ROOT)}"
