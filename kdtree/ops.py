@@ -174,6 +174,12 @@ def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=Non
     pass it inside a captured decode loop. The bit-packed visibility is always written; the
     dense bool mask only with ``dense_visibility=True`` (it costs build time, and the verify
     op reads the bits). ``out`` reuses a ``TreeBuildResult`` (static buffers).
+
+    The contract of the inputs (what ``torch.topk`` of a ``log_softmax`` gives): log-probs
+    <= 0 (-inf is clamped to ``NEG_INF_FLOOR``), each row sorted descending, token ids >= 0;
+    ``budgets <= 0`` give the root-only tree. Their values are not checked here (that would
+    synchronise); ``kdtree.reference.tree_build`` refuses inputs outside the contract, naming
+    the index, and on such inputs the kernel's tree is unspecified.
     """
     lp = _tensor("top_logprobs", top_logprobs, torch.float32, (None, None, None))
     dev = lp.device
