@@ -174,6 +174,34 @@ def test_claim_gpu_gives_each_job_its_own(tmp_path, monkeypatch):
         f.close()
 
 
+def test_concurrent_jobs_on_two_fake_gpus_never_share_one(tmp_path):
+    """Three timed jobs at once on a node that shows two GPUs: two run side by side on
+    different GPUs, the third waits for a free one; no two overlapping jobs share a GPU."""
+    import json
+    import subprocess
+    import sys
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: a)'\necho 'GPU 1: NVIDIA H200 (UUID: b)'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")}
+    env["PATH"] = f"{fake.parent}:{env['PATH']}"
+    job = ("import json, time, sys; from kdtree.harness.gpu import claim_gpu; "
+           f"g = claim_gpu({str(tmp_path / 'locks')!r}); t0 = time.time(); time.sleep(1.5); "
+           "import os; print(json.dumps([g, os.environ['CUDA_VISIBLE_DEVICES'], t0, time.time()]))")
+    procs = [subprocess.Popen([sys.executable, "-c", job], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    runs = sorted(json.loads(p.communicate(timeout=60)[0]) for p in procs)
+    assert all(r[0] == r[1] for r in runs)                  # CUDA_VISIBLE_DEVICES pinned to the claim
+    assert sorted({r[0] for r in runs}) == ["0", "1"]       # both GPUs used
+    for i, a in enumerate(runs):
+        for b in runs[i + 1:]:
+            if a[2] < b[3] and b[2] < a[3]:                 # overlapping in time
+                assert a[0] != b[0], runs
+    starts = sorted(r[2] for r in runs)
+    assert starts[1] - starts[0] < 1.0 and starts[2] - starts[0] >= 1.4   # two at once, the third waited
+
+
 def test_container_definition_checks():
     assert check_container(ROOT / "containers/kdtree.def", ROOT / "constraints.txt", ROOT / "README.md") == []
     assert readme_test_command((ROOT / "README.md").read_text()) == ".venv/bin/python -P -m pytest -q tests"

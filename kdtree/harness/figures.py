@@ -87,7 +87,8 @@ VERIFY_IMPLS = {"kdtree_kernel": "kdtree (dispatched kernel)",
                 "kdtree_mma_sync": "kdtree, mma.sync kernel (sm_120's)",
                 "kdtree_wgmma_cp_async": "kdtree, wgmma with cp.async keys (not TMA)",
                 "kdtree_wgmma_combine": "kdtree, splits merged by the combine kernel",
-                "torch_sdpa_tree_mask": "torch SDPA + tree mask"}
+                "torch_sdpa_tree_mask": "torch SDPA + tree mask",
+                "flashmla": "FlashMLA dense decode, chain mask (peer)"}
 
 
 def verify_attn(df: pd.DataFrame, path):

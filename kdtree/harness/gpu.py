@@ -91,5 +91,9 @@ def claim_gpu(lock_dir=None) -> str | None:
                 continue
             _CLAIM = f                     # held until the process exits
             os.environ["CUDA_VISIBLE_DEVICES"] = c
+            import socket
+            import sys
+            # The job log says where it ran (a multi-GPU run is checked from these lines).
+            print(f"kdtree: pinned to GPU {c} of {socket.gethostname()} (lock {f.name})", file=sys.stderr, flush=True)
             return c
         time.sleep(1.0)

@@ -52,13 +52,16 @@ def sweep_json(section, **override):
     return shlex.quote(json.dumps(cfg, sort_keys=True))
 
 
-def job_resources(gpu: bool) -> dict:
-    """gpu=1 for GPU jobs (SLURM: --gpus=1); bench=1 for every timed job, so that timed jobs
-    never share a machine (the global limit is 1 unless a profile lifts it); SLURM partition
-    and account from config."""
-    r = {"bench": 1}
+def job_resources(gpu: bool, cpu_timed: bool) -> dict:
+    """gpu=1 for GPU jobs (SLURM: --gpus=1; each claims its own GPU by a lock file);
+    bench=1 for jobs that time something on the CPU (a CPU baseline), so two CPU baselines
+    never run at once (limit 1 unless a profile lifts it); GPU-only timings run side by side,
+    one per GPU. SLURM partition and account from config."""
+    r = {}
     if gpu:
         r["gpu"] = 1
+    if cpu_timed:
+        r["bench"] = 1
     if config.get("slurm", {}).get("partition"):
         r["slurm_partition"] = config["slurm"]["partition"]
     if config.get("slurm", {}).get("account"):
@@ -66,7 +69,24 @@ def job_resources(gpu: bool) -> dict:
     return r
 
 
+def _visible_gpus() -> int:
+    """GPUs this host shows (CUDA_VISIBLE_DEVICES, else nvidia-smi -L); 0 if none."""
+    import subprocess
+
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return len([v for v in vis.split(",") if v.strip()])
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+
+
 workflow.global_resources.setdefault("bench", 1)
+# As many GPU jobs at once as this host has GPUs (none known: no limit, e.g. a SLURM submit host).
+if _visible_gpus() > 0:
+    workflow.global_resources.setdefault("gpu", _visible_gpus())
 
 
 wildcard_constraints:

@@ -14,7 +14,7 @@ rule sweep_tree_build_shard:
         cfg=lambda wc: sweep_json("sweep_tree_build", batches=[int(wc.batch)]),
         flags=gpu_flags,
     resources:
-        **job_resources(GPU),
+        **job_resources(GPU, cpu_timed=True),
     shell:
         "python3 -m kdtree sweep tree-build --pin-gpu --out {output} --cfg-json {params.cfg} {params.flags} > {log} 2>&1"
 
@@ -42,7 +42,7 @@ rule sweep_tree_accept:
         cfg=sweep_json("sweep_tree_accept"),
         flags=gpu_flags,
     resources:
-        **job_resources(GPU),
+        **job_resources(GPU, cpu_timed=True),
     shell:
         "python3 -m kdtree sweep tree-accept --pin-gpu --out {output} --cfg-json {params.cfg} {params.flags} > {log} 2>&1"
 
@@ -59,7 +59,7 @@ rule sweep_verify_attn_shard:
     params:
         cfg=lambda wc: sweep_json("sweep_verify_attn", heads=[int(wc.heads)]),
     resources:
-        **job_resources(True),
+        **job_resources(True, cpu_timed=False),
     shell:
         "python3 -m kdtree sweep verify-attn --pin-gpu --out {output} --cfg-json {params.cfg} "
         "--library {input.lib} --require-tests {input.tests} > {log} 2>&1"
@@ -92,7 +92,8 @@ rule sweep_gpu:
         cfg=lambda wc: sweep_json(f"sweep_{wc.name}"),
         which=lambda wc: wc.name.replace("_", "-"),
     resources:
-        **job_resources(True),
+        **job_resources(True, cpu_timed=False),
+        bench=lambda wc: int(wc.name == "worker_round"),  # it times the worker's CPU path
     shell:
         "python3 -m kdtree sweep {params.which} --pin-gpu --out {output} --cfg-json {params.cfg} "
         "--library {input.lib} --require-tests {input.tests} > {log} 2>&1"

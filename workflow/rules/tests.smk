@@ -6,6 +6,6 @@ rule test_correctness:
     log:
         f"{RD}/logs/test_correctness.log",
     resources:
-        **job_resources(True),
+        **job_resources(True, cpu_timed=False),
     shell:
         "python3 -m kdtree test-gpu --pin-gpu --out {output} --library {input} > {log} 2>&1"

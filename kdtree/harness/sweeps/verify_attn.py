@@ -56,6 +56,46 @@ def sdpa_baseline(q, cache, table, seq, vis, scale):
     return lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
 
 
+def flashmla_module():
+    """FlashMLA (the sgl-flash-mla wheel), or None where it does not import."""
+    try:
+        import flash_mla
+        return flash_mla
+    except Exception:  # not installed, or built for another torch/CUDA: a peer not available
+        return None
+
+
+FLASHMLA_PAGE = 64   # the page size FlashMLA's dense decode takes
+
+
+def flashmla_row(base: dict, q, caches, table, seq, scale, cfg, inner) -> dict:
+    """FlashMLA's dense bf16 decode on the same inputs, as a peer: a causal (chain) mask over
+    the D query positions, not the tree's, so the same bytes and nearly the same FLOPs. Timed
+    as graph replays over the same rotating cache copies; its first call fills the scheduler
+    metadata and stays outside the graph."""
+    import torch
+
+    fm = flashmla_module()
+    row = dict(base, impl="flashmla", kernel="flashmla_dense_legacy")
+    if fm is None:
+        return dict(row, status="not_available", reason="flash_mla not importable (sgl-flash-mla not installed)")
+    if caches[0].shape[1] != FLASHMLA_PAGE:
+        return dict(row, status="not_available", reason=f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE} only")
+    try:
+        meta = fm.get_mla_metadata()[0]
+        k = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
+        call = lambda kc: fm.flash_mla_with_kvcache(q, kc, table, seq, LATENT_DIM, meta, softmax_scale=scale,
+                                                   causal=True, use_legacy=True)
+        call(k[0])
+        torch.cuda.synchronize()
+        turn = iter(range(1 << 30))
+        t = time_graph(lambda: call(k[next(turn) % len(k)]), replays=cfg["gpu_replays"], inner=inner)
+    except Exception as e:  # a shape FlashMLA refuses is a row, not a crash
+        return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
+    return dict(row, roofline_fraction=base["floor_us"] / t["median_us"],
+                copy_fraction=base["bytes"] / (t["median_us"] * 1e-6) / (base["copy_gbps"] * 1e9), **t)
+
+
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     import torch
 
@@ -110,6 +150,8 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
         others.append("wgmma_combine")
     for path in others:
         rows.append(kernel_row(f"kdtree_{path}", path))
+    if cfg.get("compare_flashmla", True):
+        rows.append(flashmla_row(base, q, caches, table, seq, scale, cfg, inner))
     sdpa_elems = B * D * H * S
     if sdpa_elems > cfg["sdpa_max_elems"]:
         rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped",
