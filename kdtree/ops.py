@@ -175,11 +175,11 @@ def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=Non
     dense bool mask only with ``dense_visibility=True`` (it costs build time, and the verify
     op reads the bits). ``out`` reuses a ``TreeBuildResult`` (static buffers).
 
-    The contract of the inputs (what ``torch.topk`` of a ``log_softmax`` gives): log-probs
-    <= 0 (-inf is clamped to ``NEG_INF_FLOOR``), each row sorted descending, token ids >= 0;
-    ``budgets <= 0`` give the root-only tree. Their values are not checked here (that would
-    synchronise); ``kdtree.reference.tree_build`` refuses inputs outside the contract, naming
-    the index, and on such inputs the kernel's tree is unspecified.
+    Values are not checked here (that would synchronise): token ids are copied as given
+    (the reference refuses negative ones), -inf log-probs are clamped to ``NEG_INF_FLOOR``,
+    ``budgets <= 0`` give the root-only tree. Rows outside stage A's contract (not sorted
+    descending, or log-probs > 0) are still built exactly, by a slower fallback path; the
+    result's status flags which rows took it.
     """
     lp = _tensor("top_logprobs", top_logprobs, torch.float32, (None, None, None))
     dev = lp.device

@@ -130,6 +130,15 @@ def test_tree_build_uncertified_rows_take_the_warp_loop(ops):
     assert np.array_equal((st & ops.STATUS_WARP_LOOP).numpy() != 0, shuffled)
 
 
+def test_tree_build_positive_log_probs_take_the_warp_loop(ops):
+    """Log-probs > 0 (documented as accepted, outside stage A) are built exactly, like the CPU."""
+    B, budget = 8, 64
+    lp, ids = stage_a_inputs(B, 15, 3000, budget, seed=3)
+    lp[::2, 0, 0] = 0.5                      # still sorted, but above 0
+    _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))
+    assert np.array_equal((st & ops.STATUS_WARP_LOOP).numpy() != 0, np.arange(B) % 2 == 0)
+
+
 # RTX PRO 6000 (sm_120): 99 KB of shared memory a block, less the kernel's static arrays.
 SM120_ROOM = 99 * 1024 - 26656
 
