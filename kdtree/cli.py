@@ -172,6 +172,22 @@ def cmd_config_doc(args):
     print(f"config-doc -> {out}")
 
 
+def cmd_readme(args):
+    from .harness.summary import render_readme
+    out = pathlib.Path("README.md")
+    if not out.is_file():
+        sys.exit("readme: run it in the repository root (README.md not found)")
+    text = render_readme(out.read_text(), args.results)
+    if args.check:
+        if out.read_text() != text:
+            sys.exit(f"README.md's results block is out of date: run `python -m kdtree readme`")
+        print("README.md: results block up to date")
+        return
+    from .harness.results import write_text_atomic
+    write_text_atomic(text, out)
+    print(f"readme -> {out}")
+
+
 def cmd_probe(args):
     from .probe.client import main as probe_main
     sys.exit(probe_main(args))
@@ -238,6 +254,10 @@ def parser() -> argparse.ArgumentParser:
     cd = sub.add_parser("config-doc", help="write config/README.md from the config schema")
     cd.add_argument("--check", action="store_true", help="fail if config/README.md is out of date")
     cd.set_defaults(fn=cmd_config_doc)
+    rm = sub.add_parser("readme", help="write README.md's results block from a results folder")
+    rm.add_argument("--results", default="results/reference")
+    rm.add_argument("--check", action="store_true", help="fail if the block is out of date")
+    rm.set_defaults(fn=cmd_readme)
     i = sub.add_parser("info", help="what this machine has")
     i.set_defaults(fn=cmd_info)
     return p

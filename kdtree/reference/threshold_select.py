@@ -1,5 +1,5 @@
 """Tree selection by threshold: the parallel form of the best-first build, in plain Python as
-the reference of the GPU kernel's selection (kernels/src/tree_threshold.cuh; kernels/NOTES.md).
+the reference of the GPU kernel's selection (kernels/src/tree_threshold.cuh; docs/kernels/tree_build.md).
 The kernel finds tau differently (it raises tau from the nodes it has materialised instead of
 restarting a bisection), which the proof below does not depend on.
 

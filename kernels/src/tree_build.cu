@@ -167,12 +167,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau (chain_bound: ~4k cycles) pays where some request of the batch
-  // would otherwise raise tau, which grows likelier with the batch and the budget. Measured
-  // on the H200 with the sweep's inputs (V 8192 and 32000): off at batch 1 (B 1 x 256
-  // 25.8 -> 22.2 us, B 1 x 1024 78.4 -> 75.0) and at batch 16 budget 16 (13.8 -> 11.3); on
-  // from batch 64, from batch 16 at budget 64 and up, from batch 4 at budget 1024. Checked
-  // again in session 13 against never / always (kernels/NOTES.md): no point gains.
+  // A tighter first tau (chain_bound, ~4k cycles) only where some request of the batch
+  // would likely raise tau otherwise: from batch 64, from batch 16 at budget >= 64, from
+  // batch 4 at budget 1024 (the gate's A/Bs: docs/kernels/tree_build.md, v3e and v3f).
   const int batch = gridDim.x;
 #ifndef KD_CHAIN_GATE
 #define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always

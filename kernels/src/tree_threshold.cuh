@@ -358,8 +358,7 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
     int base = lane == 31 ? atomicAdd(counter, wtot) : 0;
     base = __shfl_sync(FULL_MASK, base, 31);
     // Only children that fit are laid out: an overflowing level's full count may be
-    // thousands (64 parents x 64 ranks), and the loop over it cost up to 12k cycles at
-    // budget 64 (H200 stamps) for writes that were all dropped.
+    // thousands (64 parents x 64 ranks), all of whose writes would be dropped.
     for (int j0 = 0; j0 < wtot && base + j0 < room; j0 += 32) {
       const int j = j0 + lane, o = owner_lane(incl, j);
       const int po = __shfl_sync(FULL_MASK, p, o), first = __shfl_sync(FULL_MASK, incl - c, o);
@@ -441,8 +440,8 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
 }
 
 // Levels from *d (parents [*lb, *le)) while they are narrow (at most 32 parents), by warp 0
-// alone: a block level costs ~700 cycles (H200 stamps), much of it the block barrier, the
-// counter and its read-back, and a budget-16 tree is often a chain of 15 such levels. Runs
+// alone: a block level pays the block barrier, the counter and its read-back, and a
+// budget-16 tree is often a chain of 15 such levels (docs/kernels/tree_build.md, v3g). Runs
 // from the root and again after a raise. Stops at the first wider level, at a level that
 // would overflow the buffer (the block redoes it and raises tau) or at the tree's end
 // (*d = L); the block goes on from *d. The level counters stay untouched: the caller has
@@ -522,7 +521,7 @@ __device__ __forceinline__ uint64_t score_key(double x) {
   return (uint64_t)__double_as_longlong(x) | 0x8000000000000000ull;
 }
 
-constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (kernels/NOTES.md)
+constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (docs/kernels/tree_build.md)
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
 // zeroes), for m <= RANK_SORT_MAX: the number of nodes better than it, counted against
@@ -682,13 +681,11 @@ KD_HD bool block_any(bool x) {
 // a lower bound too. Two rounds of CHAIN_PIVOTS pivots narrow [tau, lp[0][0]] 17-fold
 // each. On sweep-like inputs this cuts the requests whose first enumeration overflows
 // (and takes a raise) 2-3x: worth it where the slowest of many requests sets the time, or
-// raises are frequent and dear (budget >= 256); the caller decides (kernels/NOTES.md). An
+// raises are frequent and dear (budget >= 256); the caller decides (docs/kernels/tree_build.md). An
 // exact budget-th best of the L * keff chain nodes by radix passes cost 5-14k cycles more.
 // Device: every warp holds the chain scores in registers (lane d: node 0^d, the heap's
 // sums in the heap's order) and computes its own pivot, so a round is one barrier (the
-// counts). v3e summed the chain on one thread and kept scores and pivots in shared
-// memory (three barriers a round); 32 pivots (two a warp) with the pivots stored, not
-// recomputed, measured no better (kernels/NOTES.md).
+// counts), not three with the chain summed on one thread (docs/kernels/tree_build.md, v3h-b).
 constexpr int CHAIN_PIVOTS = 16;
 
 // Pivot k (1 .. CHAIN_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no

@@ -4,15 +4,12 @@
 // Partials are bf16 (write_rows says why); weights and sums are float32. Two layouts:
 // - fewer than 32 splits: a warp takes half a row (8 columns a lane, one 16-byte load a
 //   split) and reduces the row's LSEs with shuffles alone (a split a lane): no shared
-//   memory, no block barrier, 8 warps a CTA. (v3 had a CTA of 4 warps a row with block
-//   reductions: 2,048 CTAs at B 16 x 128 rows, ~5 us on the H200 for ~8 MB.)
+//   memory, no block barrier, 8 warps a CTA.
 // - 32 splits or more: a CTA of 8 warps takes a quarter of a row and its warps split the
 //   splits (warp w sums splits w, w + 8, ...), so each lane has 4-16 independent loads in
-//   flight; the warps' sums then meet in shared memory. (At 8-31 splits this layout cost
-//   10-50% at batch 1, H200 reference run at 30039d9: four times the CTAs, each redoing
-//   the LSE reductions for one load a lane.)
-// v2 had one 128-thread CTA a row walk all the splits: 13.7 us at batch 1 for H 8, D 1,
-// P 8k with 128 splits on an H200 (the attention kernel itself took 10 us).
+//   flight; the warps' sums then meet in shared memory. Below 32 splits this layout loses:
+//   four times the CTAs, each redoing the LSE reductions for one load a lane.
+// The layouts it replaced and their times: docs/kernels/verify_attention.md (v2c, v7).
 #include "mma.cuh"
 #include "verify_common.cuh"
 
@@ -90,8 +87,8 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
 
 // --- 32 splits or more: a CTA per quarter row, its warps splitting the splits.
 constexpr int QUARTER = V_DIM / 4;  // value columns of a CTA: 32 lanes x 4
-// Splits a lane loads before the weights are known (H200, same-run A/B: 4 gained up to 5%
-// at batch 1, 8 lost as much at 33 splits, where the extra registers cost occupancy).
+// Splits a lane loads before the weights are known: more loads in flight, but 8 costs
+// occupancy at 33 splits (A/B in docs/kernels/verify_attention.md).
 constexpr int PRE = 4;
 
 __global__ void __launch_bounds__(32 * WARPS)

@@ -36,7 +36,7 @@ struct VerifyParams {
 #endif
 };
 // Profile builds (-DKD_VERIFY_PROFILE, kd_verify_profile_buffer): the wgmma kernel's CTAs of
-// row tile 0 of request 0 stamp clock64() at its phases (kernels/NOTES.md, session 16).
+// row tile 0 of request 0 stamp clock64() at its phases (docs/kernels/verify_attention.md, v10).
 #ifdef KD_VERIFY_PROFILE
 #define VSTAMP(i, v)                                                                   \
   do {                                                                                 \
@@ -57,9 +57,8 @@ __device__ __forceinline__ long long gtimer() {
 // visibility row (BITS: bit-packed, else bytes) marks an ancestor or itself. The row is
 // read at a clamped index whatever the key, and the result combined without branches, so
 // an unrolled mask loop issues all its loads before the first use; with the load behind
-// `key >= P`, the tile holding the tree took ~3.5k cycles more than a prefix tile in the
-// wgmma kernel (H200 clock stamps, kernels/NOTES.md, session 16), and that CTA sets the
-// launch's time.
+// `key >= P`, the tile holding the tree took thousands of cycles more than a prefix tile,
+// and that CTA sets the launch's time (docs/kernels/verify_attention.md, v10).
 template <bool BITS>
 __device__ __forceinline__ bool attends(const VerifyParams& p, int b, int slot, int key, int P, int end) {
   const int j = key - P;
@@ -139,11 +138,10 @@ __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
 // split outputs in the output dtype too): the combine's weights are convex, so a merged
 // element carries at most one more bf16 rounding of the partials it mixes, the size of the
 // rounding P already takes before PV; half the bytes of float32 for the stores and the
-// combine's reads (H200, kernels/NOTES.md v7).
+// combine's reads (docs/kernels/verify_attention.md, v7).
 // Stores: a quad's bf16 pairs of column blocks j, j + 1 (16 bytes a block) are regrouped by
 // two shuffles so each thread stores 8 contiguous bytes and a warp instruction writes whole
-// 32-byte sectors. Storing the 4-byte pairs as they lie wrote half sectors, which cost the
-// wgmma kernel ~4 us an epilogue on the H200 (ECC memory merges partial sectors).
+// 32-byte sectors: half sectors cost an epilogue dearly (ECC memory merges partial sectors).
 template <class O>
 __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int split, int row0, int col0,
                                            int t, const float (&l)[2], const float (&m)[2],

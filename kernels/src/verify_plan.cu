@@ -141,8 +141,8 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
 #endif
     rc = kd::launch_verify_mma(p, plan->rows_per_cta, plan->B, st);
   if (rc) return rc;
-  // The combine runs as a programmatic dependent after the mma.sync kernel on Hopper only
-  // (measured faster there, mixed after the wgmma kernel, not measured on sm_120).
+  // The combine runs as a programmatic dependent after the mma.sync kernel on Hopper only:
+  // faster there, mixed after the wgmma kernel, unmeasured on sm_120 (notes, v9).
   if (plan->num_splits == 1 || merged) return 0;
   return kd::launch_verify_combine(p, plan->B, st, plan->kernel == 0 && d->major == 9);
 }

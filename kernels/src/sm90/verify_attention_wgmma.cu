@@ -7,14 +7,13 @@
 // nothing links libcuda). Otherwise, or when the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC),
 // warpgroup 1 copies by cp.async.
 // Clusters: multicast to pairs of row tiles pays only where many row tiles share each
-// key tile (H200, same-run A/B, B 16: +1-2% of the roofline at 16-64 row tiles, -2 to -8%
-// at 2-4, where the pair's lock step costs more than the L2 reads it saves), so pairs are
-// formed from 16 row tiles on, when their count is even; KD_VERIFY_MULTICAST=0 at build
-// time turns them off.
+// key tile (with few, the pair's lock step costs more than the L2 reads it saves), so
+// pairs are formed from 16 row tiles on, when their count is even (A/B in the notes, v5);
+// KD_VERIFY_MULTICAST=0 at build time turns them off.
 // Splits: 2 key splits of a row tile on the TMA path, in launches of 16 or more row tiles
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
-// shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once (H200:
-// 66 clusters of 2); the merge takes precedence over pairs. Otherwise, or when the
+// shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once; the
+// merge takes precedence over pairs. Otherwise, or when the
 // plan asks for it (KD_VERIFY_WGMMA_COMBINE), the splits write bf16 partials for the
 // combine kernel.
 #include <atomic>

@@ -4,7 +4,7 @@
 // of one request x one split of its keys, online softmax in float32, partials for the
 // combine kernel), but the operands stay in shared memory: wgmma reads Q, the key tile
 // and P straight from 128-byte-swizzled tiles, so no ldmatrix traffic through registers
-// (the mma.sync kernel's limit, kernels/NOTES.md). The two warpgroups have roles:
+// (the mma.sync kernel's limit, docs/kernels/verify_attention.md). The two warpgroups have roles:
 //   warpgroup 0: S = Q K^T for all 64 keys of the tile (m64n64k16 x 36) and the softmax
 //                (whole rows in its registers: no max exchange), P and the rescale
 //                factors to shared memory;
@@ -21,7 +21,7 @@
 // With TMA, a cluster of COPY CTAs (2: consecutive row tiles of one request and
 // split, which read the same keys) shares each key tile: every CTA issues a share of the
 // tile's 9 column blocks, multicast to all of them, so each key byte leaves L2 once per
-// cluster, not once per CTA (the copy, not the math, held v3e's period: kernels/NOTES.md).
+// cluster, not once per CTA (the copy, not the math, held v3e's period: docs/kernels/verify_attention.md).
 // A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
 // one arrival per CTA).
 //
@@ -30,7 +30,7 @@
 // distributed shared memory: each CTA stages its unnormalised float32 O in its free key
 // slots, then merges every S-th row over the S CTAs by the rows' (max, sum) and writes out
 // and lse. No partials go through global memory and no combine kernel runs
-// (kernels/NOTES.md, v6).
+// (docs/kernels/verify_attention.md, v6).
 #pragma once
 #include <cuda.h>  // CUtensorMap (the type only: nothing links libcuda)
 
@@ -255,9 +255,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       // PV(it-1) must finish before its key slot is refilled; waiting for it here, not
-      // after S(it), starts the next tile's copy ~1,000 cycles sooner (measured: 69 -> 74%
-      // of roofline at H 8, D 64, P 32k, B 16). wait_group 1 after S would overlap more,
-      // but ptxas then serialises every wgmma (45%).
+      // after S(it), starts the next tile's copy sooner. wait_group 1 after S would overlap
+      // more, but ptxas then serialises every wgmma.
       wgmma_wait<0>();
       named_arrive(KV_FREE, THREADS);
       if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);

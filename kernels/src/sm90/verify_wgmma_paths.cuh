@@ -19,12 +19,9 @@ constexpr int WGMMA_TILE_BYTES = QK_DIM / 64 * 64 * 128;
 constexpr size_t WGMMA_SMEM_BYTES = 1024 + 3 * WGMMA_TILE_BYTES + 64 * 64 * 2 + 4 * 64 * sizeof(float);
 
 // When key splits merge in one cluster (MERGE): 2 splits a row tile, 16 or more row tiles
-// in the launch. H200, same-run graph times against the combine kernel (bf16 partials, a
-// warp per half row; three rounds, kernels/NOTES.md v7): 2 splits gain 1-4 us at 64 row
-// tiles (B 1, H 64, D 64: P 1k 29.6 -> 26.7 us, P 32k 475 -> 465), tie at 32 and lose
-// ~1 us at 8; 3 splits lose 1.4-2.5 us at 8 and 32 row tiles; 4 or more lost to the float32
-// combine already (v6: each CTA reads 3/4 or more of its 128 KB from the others, at about
-// 30 GB/s an SM).
+// in the launch. Against the combine kernel the merge gains only there: with more splits
+// each CTA reads most of its O from the others over slow distributed shared memory
+// (docs/kernels/verify_attention.md, v6 and v7).
 constexpr int WGMMA_MERGE_MAX_SPLITS = 2;
 constexpr int WGMMA_MERGE_MIN_ROW_TILES = 16;
 

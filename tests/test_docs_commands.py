@@ -1,0 +1,147 @@
+"""Every command README.md and docs/ show is exercised: run here (CPU-safe: a dry-run, or the
+same flags against the loopback SGLang server), run by .ci/run, or named as GPU-only and run
+by the pipeline on the GPU. A command the docs gain without an entry below fails this test.
+Also: no link in the repository's Markdown points outside the repository."""
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sglang_server import FakeSGLang  # tests/sglang_server.py
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "config" / "README.md"]
+CI = (ROOT / ".ci" / "run").read_text()
+COMMAND = re.compile(r"^(snakemake|python3? |pip |apptainer |scripts/|\.venv/)")
+
+# How each documented command is exercised. ci: .ci/run runs this text; dry: a Snakemake
+# dry-run of it here; run: this test runs it here; probe: run here against the loopback
+# server (same flags, its URL); gpu: GPU-only, run on the H200 by the pipeline (the note
+# names how); none: cannot run on these machines (the note says what checks it instead);
+# pattern: a form, not a command (the note says what exercises it).
+COVERED = {
+    "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt '.[test]' && snakemake --cores 2 all":
+        ("ci", "snakemake --cores 2 all\n"),
+    ".venv/bin/python -P -m pytest -q tests": ("ci", ".venv/bin/python -P -m pytest -q tests"),
+    "pip install .": ("ci", "pip install -q -c constraints.txt '.[test]'"),
+    "pip install -c constraints.txt '.[workflow]'": ("ci", "pip install -q -c constraints.txt '.[test]'"),
+    "pip install kdtree-checkout/": ("ci", "pip install -q -c constraints.txt '.[test]'"),
+    "snakemake --cores 8 all": ("dry", None),
+    "snakemake --cores 1 figures --config results_dir=results/reference":
+        ("ci", "snakemake --cores 1 figures --config results_dir=results/reference"),
+    "python -m kdtree readme": ("ci", "python -m kdtree readme --check"),
+    "python -m kdtree config-doc": ("ci", "python -m kdtree config-doc --check"),
+    "snakemake ... --config key=value": ("pattern", "every --config in .ci/run and the dry-runs here"),
+    "python -m kdtree check container ...": ("ci", "python -m kdtree check container containers/kdtree.def"),
+    "snakemake --cores 32 all --resources gpu=8": ("dry", None),
+    "snakemake --cores 1 all --report results/local/report.html":
+        ("ci", "--report results/smoke/report.html"),   # the same flags on the smoke preset
+    "snakemake --profile workflow/profiles/local all": ("dry", None),
+    "snakemake --profile workflow/profiles/local all --configfile config/reference.yaml": ("dry", None),
+    "snakemake --profile workflow/profiles/apptainer all": ("none", "needs Apptainer even to plan; CI dry-runs the same rules"),
+    "python3 -m kdtree probe --url http://127.0.0.1:30000 --out probe.parquet --requests 16 --concurrency 1":
+        ("probe", None),
+    "python -m kdtree probe": ("probe", None),
+    "python3 -m kdtree probe": ("probe", None),
+    "python3 -m kdtree build": ("ci", "test -s build/kernels/libkdtree.so"),   # rule build_kernels, smoke run
+    "python3 -m kdtree sweep tree-build": ("ci", "snakemake --cores 2 all --configfile config/smoke.yaml"),
+    "python3 -m kdtree sweep tree-accept": ("ci", "snakemake --cores 2 all --configfile config/smoke.yaml"),
+    "python3 -m kdtree report": ("ci", "test -s results/smoke/report.md"),
+    "python3 -m kdtree test-gpu": ("gpu", "rule test_correctness of the reference run"),
+    "python3 -m kdtree sweep verify-attn": ("gpu", "rule sweep_verify_attn_shard of the reference run"),
+    "python3 -m kdtree sweep round": ("gpu", "rule sweep_gpu of the reference run"),
+    "scripts/ab.sh": ("gpu", "the same-run A/B of the package split (CHANGELOG 0.2.0)"),
+    "scripts/ab_compare.py": ("run", None),
+    "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
+        ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
+    "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),
+    "apptainer exec --nv containers/kdtree.sif snakemake --cores 8 all": ("none", "the pipeline itself is dry-run here"),
+}
+
+
+def documented() -> dict:
+    cmds = {}
+    for f in DOCS:
+        text = f.read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                line = re.sub(r"\s+#.*$", "", line).strip()
+                if line and not line.startswith("#"):
+                    cmds.setdefault(line, f.relative_to(ROOT))
+        for span in re.findall(r"`([^`\n]+)`", text):
+            if COMMAND.match(span.strip()):
+                cmds.setdefault(span.strip(), f.relative_to(ROOT))
+    return cmds
+
+
+def test_every_documented_command_has_a_way_it_is_exercised():
+    missing = {c: str(f) for c, f in documented().items() if c not in COVERED}
+    assert not missing, f"documented commands nobody runs (add them to COVERED): {missing}"
+
+
+@pytest.mark.parametrize("cmd", [c for c, (how, _) in COVERED.items() if how == "ci"])
+def test_ci_runs_it(cmd):
+    assert COVERED[cmd][1] in CI, f"{cmd!r}: .ci/run does not run {COVERED[cmd][1]!r}"
+
+
+def _snakemake_available():
+    return shutil.which("snakemake") or (pathlib.Path(sys.executable).parent / "snakemake").exists()
+
+
+@pytest.mark.skipif(not _snakemake_available(), reason="snakemake not installed")
+@pytest.mark.parametrize("cmd", [c for c, (how, _) in COVERED.items() if how == "dry"])
+def test_snakemake_commands_plan(cmd):
+    env = dict(os.environ, PATH=f"{pathlib.Path(sys.executable).parent}:{os.environ['PATH']}")
+    argv = [sys.executable, "-m", "snakemake", *cmd.split()[1:], "-n", "--forceall", "--config", "gpu=true"]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    assert "rule test_correctness:" in r.stdout + r.stderr and "Job stats" in r.stdout + r.stderr
+
+
+def test_documented_probe_command_runs_against_a_server(tmp_path):
+    cmd = "python3 -m kdtree probe --url http://127.0.0.1:30000 --out probe.parquet --requests 16 --concurrency 1"
+    with FakeSGLang(ttft_s=0.005, step_s=0.002) as srv:
+        argv = cmd.replace("http://127.0.0.1:30000", srv.url).replace("probe.parquet", str(tmp_path / "probe.parquet"))
+        argv = [sys.executable, *argv.split()[1:]] + ["--max-new-tokens", "8"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "16/16 requests ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_ab_compare_reads_an_ab_folder(tmp_path):
+    import pandas as pd
+    for v, us in (("old", 10.0), ("new", 9.0)):
+        for rep in (1, 2):
+            pd.DataFrame([dict(batch=1, budget=64, impl="gpu_kernel", metric="device_time", median_us=us,
+                               status="ok")]).to_parquet(tmp_path / f"{v}_tree-build_{rep}.parquet")
+            pd.DataFrame([dict(batch=1, D=65, impl="gpu_kernel", metric="device_time", median_us=us,
+                               status="ok")]).to_parquet(tmp_path / f"{v}_tree-accept_{rep}.parquet")
+            pd.DataFrame([dict(heads=8, D=16, prefix=8192, batch=1, page_size=64, impl="kdtree_kernel",
+                               median_us=us, status="ok")]).to_parquet(tmp_path / f"{v}_verify-attn_{rep}.parquet")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "0.9" in r.stdout, r.stderr
+
+
+def test_no_link_leaves_the_repository():
+    bad = []
+    for f in ROOT.rglob("*.md"):
+        rel = f.relative_to(ROOT)
+        if rel.parts[0] in (".venv", "build", "ab", ".pytest_cache", "results") or ".egg-info" in str(rel):
+            continue
+        text = f.read_text(errors="replace")
+        if "../shared" in text:
+            bad.append(f"{rel}: mentions ../shared")
+        for target in re.findall(r"\]\(([^)#\s]+)", text):
+            if re.match(r"[a-z]+://", target):
+                bad.append(f"{rel}: external link {target}")
+                continue
+            dest = (f.parent / target).resolve()
+            if ROOT not in dest.parents and dest != ROOT:
+                bad.append(f"{rel}: {target} points outside the repository")
+            elif not dest.exists():
+                bad.append(f"{rel}: {target} does not exist")
+    assert not bad, bad
