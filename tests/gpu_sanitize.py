@@ -12,7 +12,7 @@ from kdtree.harness.workloads import paged_case, stage_a_inputs
 def main():
     lp, ids = stage_a_inputs(3, 15, 200, 40, seed=1)
     budgets = torch.tensor([40, 7, 0], dtype=torch.int32, device="cuda")
-    trees = ops.tree_build(lp.cuda(), ids.cuda(), budgets, d_max=41)
+    trees = ops.tree_build(lp.cuda(), ids.cuda(), budgets, d_max=41, dense_visibility=True)
     # Threshold selection with tau raises (coarse rows, budget 256), and one request whose
     # unsorted row sends it to the warp loop.
     lp2, ids2 = stage_a_inputs(4, 15, 8192, 256, seed=3, coarse_fraction=1.0)
@@ -42,22 +42,23 @@ def main():
     # on the cp.async copy and when forced (wgmma_combine).
     for path, splits in (("auto", 1), ("auto", 2), ("auto", 3), ("auto", 8), ("auto", 40), ("mma_sync", 1),
                          ("mma_sync", 3), ("mma_sync", 40), ("wgmma_cp_async", 3), ("wgmma_combine", 3)):
-        ops.set_verify_path(path)  # wgmma on Hopper (TMA, then cp.async), the mma.sync kernel
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
-                             trees.visibility, 0.130861, num_splits=splits)
-        ops.verify_attention(case.q, case.kv_cache, case.block_table, case.seq_lens,
-                             trees.visibility_bits, 0.130861, num_splits=splits)
-    ops.set_verify_path("auto")
+        # wgmma on Hopper (TMA, then cp.async), the mma.sync kernel
+        for vis in (trees.visibility, trees.visibility_bits):
+            ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, 0.130861,
+                            kernel=path, num_splits=splits)
     small = paged_case([0, 300, 20, 90, 5, 64], 17, 8, 64, seed=4, device="cuda")  # 6 x 3 row tiles
     for splits in (2, 3):  # clusters of 2 (a partial last row tile, P = 0); 3 combine
-        ops.verify_attention(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
-                             0.130861, num_splits=splits)
+        ops.tree_verify(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
+                        0.130861, num_splits=splits)
     pairs = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles: TMA to pairs
     for path in ("auto", "wgmma_combine"):  # 2 splits: pairs merge through the combine kernel
-        ops.set_verify_path(path)
-        ops.verify_attention(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
-                             0.130861, num_splits=1 if path == "auto" else 2)
-    ops.set_verify_path("auto")
+        ops.tree_verify(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
+                        0.130861, kernel=path, num_splits=1 if path == "auto" else 2)
+    # Page size 1 (SGLang's pool): keys by TMA row by row, rows past a split's end not copied.
+    ones = paged_case([0, 70, 200], 41, 8, 1, seed=5, device="cuda")
+    for path, splits in (("auto", 1), ("auto", 3), ("wgmma_cp_async", 1)):
+        ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
+                        kernel=path, num_splits=splits)
     torch.cuda.synchronize()
     print("sanitize run finished:", np.asarray(trees.node_counts.cpu()).tolist())
 
