@@ -315,7 +315,7 @@ MAX_SPLITS = 128
 # Hopper, mma.sync elsewhere); the others force a path, for tests and same-run A/Bs.
 VERIFY_KERNELS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
 _KERNEL_NAMES = {0: "mma_sync", 1: "wgmma"}
-_COPY_NAMES = {0: "cp_async", 1: "tma", 2: "tma_x2", 3: "tma_rows"}
+_COPY_NAMES = {0: "cp_async", 1: "tma", 2: "tma_x2"}
 _MERGE_NAMES = {0: "none", 1: "cluster", 2: "combine_kernel"}
 
 

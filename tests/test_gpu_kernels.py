@@ -644,8 +644,7 @@ def test_hopper_dispatches_to_wgmma(ops):
     assert plan(ops, 16, 16 * 8).name == "wgmma_tma"         # 2 row tiles
     assert plan(ops, 16, 64 * 16).name == "wgmma_tma_x2"     # 16 row tiles
     assert plan(ops, 16, 64 * 16, page=192).name == "wgmma_tma_x2"
-    assert plan(ops, 16, 64 * 16, page=32).name == "wgmma_tma_rows"   # TMA row by row
-    assert plan(ops, 16, 64 * 16, page=1).name == "wgmma_tma_rows"
+    assert plan(ops, 16, 64 * 16, page=32).name == "wgmma"   # cp.async
     # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the clusters
     # all fit at once.
     merge = lambda B, page=64, splits=2, kernel="auto": plan(ops, B, 16 * 8, page, kernel=kernel,

@@ -9,9 +9,8 @@
 // | kernel  | wgmma where the build has sm_90a, the device is 9.0, its shared memory    |
 // |         | holds the tile, and not (R <= 64 rows in a small launch); else mma.sync   |
 // | rows    | wgmma 64; mma.sync the fewest of 16/32/64 that cover R and fit            |
-// | copy    | wgmma, where the encoder exists: TMA slabs where page_size % 64 == 0      |
-// |         | (pairs of row tiles multicast from 16 row tiles, even counts), other page |
-// |         | sizes TMA row by row; else (or asked) cp.async                            |
+// | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists (pairs of row |
+// |         | tiles multicast from 16 row tiles, even counts); else cp.async            |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
 // |         | tiles else 2), 1..128                                                     |
 // | merge   | 2 splits on the TMA path, >= 16 row tiles, clusters all resident: in the  |

@@ -45,19 +45,17 @@ EncodeTiled encoder() {
   return fn;
 }
 
-// The cache [num_pages * page_size rows, 576] as boxes of 64 columns x `box_rows` rows
-// (64: a slab; 1: the row-by-row path), 128-byte swizzled (the kernel's tile layout). The
-// last map is kept per thread: callers reuse one cache.
-bool kv_map(const VerifyParams& p, uint32_t box_rows, CUtensorMap* out) {
+// The cache [num_pages * page_size rows, 576] as 64 x 64 boxes, 128-byte swizzled (the
+// kernel's tile layout). The last map is kept per thread: callers reuse one cache.
+bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   struct Last {
     const void* kv = nullptr;
     uint64_t rows = 0;
-    uint32_t box_rows = 0;
     CUtensorMap map;
   };
   thread_local Last last;
   const uint64_t rows = (uint64_t)p.num_pages * p.page_size;
-  if (last.kv == p.kv && last.rows == rows && last.box_rows == box_rows) {
+  if (last.kv == p.kv && last.rows == rows) {
     *out = last.map;
     return true;
   }
@@ -65,7 +63,7 @@ bool kv_map(const VerifyParams& p, uint32_t box_rows, CUtensorMap* out) {
   if (!enc) return false;
   const cuuint64_t dims[2] = {QK_DIM, rows};
   const cuuint64_t strides[1] = {QK_DIM * sizeof(__nv_bfloat16)};
-  const cuuint32_t box[2] = {64, box_rows};
+  const cuuint32_t box[2] = {64, 64};
   const cuuint32_t elem[2] = {1, 1};
   CUtensorMap m;
   if (enc(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.kv), dims, strides, box, elem,
@@ -74,7 +72,6 @@ bool kv_map(const VerifyParams& p, uint32_t box_rows, CUtensorMap* out) {
     return false;
   last.kv = p.kv;
   last.rows = rows;
-  last.box_rows = box_rows;
   last.map = m;
   *out = m;
   return true;
@@ -82,8 +79,8 @@ bool kv_map(const VerifyParams& p, uint32_t box_rows, CUtensorMap* out) {
 
 // The path for R query rows and this page size: COPY_CP_ASYNC or a TMA cluster size.
 int copy_path(int R, int page_size, int64_t rows, int path) {
-  if (path == KD_VERIFY_WGMMA_CP_ASYNC || rows >= (int64_t{1} << 31) || !encoder()) return COPY_CP_ASYNC;
-  if (page_size % 64 != 0) return COPY_TMA_ROWS;
+  if (path == KD_VERIFY_WGMMA_CP_ASYNC || page_size % 64 != 0 || rows >= (int64_t{1} << 31) || !encoder())
+    return COPY_CP_ASYNC;
   constexpr int PAIRS_FROM_ROW_TILES = 16;
   const int row_tiles = ceil_div(R, WGMMA_ROWS);
   return KD_VERIFY_MULTICAST && row_tiles >= PAIRS_FROM_ROW_TILES && row_tiles % 2 == 0 ? 2 : 1;
@@ -115,15 +112,13 @@ int verify_wgmma_wave(int copy, int* ctas) {
   switch (copy) {
     case 1: return verify_wgmma_path_wave<1, false>(1, ctas);
     case 2: return verify_wgmma_path_wave<2, false>(1, ctas);
-    case COPY_TMA_ROWS: return verify_wgmma_path_wave<COPY_TMA_ROWS, false>(1, ctas);
     default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
   }
 }
 
 bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
-  const int copy = copy_path(R, page_size, 0, path);
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
-      (copy != 1 && copy != 2))  // the merge's clusters run on the slab path
+      copy_path(R, page_size, 0, path) == COPY_CP_ASYNC)
     return false;
   const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
   int dev = 0;
@@ -135,15 +130,13 @@ bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) 
 // encoded: then cp.async, and the splits (if any) go to the combine kernel.
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged) {
   CUtensorMap map = {};
-  if (copy != COPY_CP_ASYNC && ((int64_t)p.num_pages * p.page_size >= (int64_t{1} << 31) ||
-                                !kv_map(p, copy == COPY_TMA_ROWS ? 1 : 64, &map)))
+  if (copy != COPY_CP_ASYNC && ((int64_t)p.num_pages * p.page_size >= (int64_t{1} << 31) || !kv_map(p, &map)))
     copy = COPY_CP_ASYNC;
-  *merged = (copy == 1 || copy == 2) && merge;
+  *merged = copy != COPY_CP_ASYNC && merge;
   if (*merged) return launch_verify_wgmma_path<1, true>(p, map, B, st);
   switch (copy) {
     case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
     case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);
-    case COPY_TMA_ROWS: return launch_verify_wgmma_path<COPY_TMA_ROWS, false>(p, map, B, st);
     default: return launch_verify_wgmma_path<COPY_CP_ASYNC, false>(p, map, B, st);
   }
 }

@@ -10,8 +10,7 @@
 //                factors to shared memory;
 //   warpgroup 1: streams the next key tile in meanwhile: by cp.async (COPY = COPY_CP_ASYNC,
 //                any page size), or one of its threads issues TMA boxes (page sizes that
-//                are multiples of 64: a tile is one 64-row slab of one page), or its
-//                first warp issues a TMA box per row and column block (COPY_TMA_ROWS);
+//                are multiples of 64: a tile is one 64-row slab of one page);
 //   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
 //                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
 // PV of a tile overlaps S of the next (named barriers hand the buffers over). Tiles:
@@ -100,26 +99,8 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
 // c goes from CTA rank c % COPY; each CTA's FULL barrier expects the whole tile.
 template <int COPY>
 __device__ __forceinline__ void issue_tile(const VerifyParams& p, const CUtensorMap* tmap,
-                                           const int32_t* table, int k0, int end, uint32_t slot,
+                                           const int32_t* table, int k0, uint32_t slot,
                                            uint32_t full, uint32_t rank) {
-  if constexpr (COPY == COPY_TMA_ROWS) {
-    // The whole warp: lane l looks up rows l and l + 32 and issues their 9 boxes of
-    // 64 x 1 (the 128-byte swizzle follows the destination address, so a row lands as
-    // the 64-row box would lay it). Rows at or past `end` are not copied: their keys are
-    // masked and the slot's rows are zeroed after S, as on the slab path.
-    const int lane = threadIdx.x & 31, n = min(KEYS, end - k0);
-    if (lane == 0) mbar_arrive_expect_tx(full, (uint32_t)n * QK_DIM * sizeof(__nv_bfloat16));
-    __syncwarp();
-    for (int r = lane; r < n; r += 32) {
-      const int pos = k0 + r;
-      const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
-      const int y = page * p.page_size + (p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size);
-#pragma unroll
-      for (int c = 0; c < QK_DIM / 64; ++c) tma_load_2d(slot + c * KEYS * BLOCK_BYTES + r * BLOCK_BYTES, tmap, c * 64, y, full);
-    }
-    return;
-  }
-  (void)end;
   const int page = table[k0 / p.page_size];
   const int y = page * p.page_size + k0 % p.page_size;
   mbar_arrive_expect_tx(full, KV_BYTES);
@@ -206,22 +187,20 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
-  constexpr int CLUSTER = cluster_of(COPY);
-  // Warpgroup 1's first thread issues the TMA (its first warp, row by row).
-  const bool producer = TMA && (COPY == COPY_TMA_ROWS ? warp == 4 : tid == 4 * 32);
-  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+  const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
+  const uint32_t rank = COPY > 1 ? cluster_rank() : 0;
 
   if constexpr (TMA) {
     if (tid == 0) {
       for (int s = 0; s < STAGES; ++s) {
         mbar_init(bar_full + 8 * s, 1);
-        mbar_init(bar_empty + 8 * s, CLUSTER);
+        mbar_init(bar_empty + 8 * s, COPY);
       }
       mbar_init_fence();
     }
-    if constexpr (CLUSTER > 1) cluster_sync();  // no copy or arrival before every CTA's init
+    if constexpr (COPY > 1) cluster_sync();  // no copy or arrival before every CTA's init
     else __syncthreads();
-    if (producer && ntiles > 0) issue_tile<COPY>(p, &tmap, table, k_begin, k_end, sKV, bar_full, rank);
+    if (producer && ntiles > 0) issue_tile<COPY>(p, &tmap, table, k_begin, sKV, bar_full, rank);
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
@@ -382,14 +361,12 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         if (producer && nx < ntiles) {
           const uint32_t s = nx & 1;
           if (nx >= STAGES) {  // the slot held tile it-1: released here, refilled when all have
-            if (lane == 0) {   // one arrival a CTA (the producer warp's first lane)
-              if constexpr (CLUSTER == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
-              else
-                for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
-            }
+            if constexpr (COPY == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
+            else
+              for (int r = 0; r < COPY; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
-          issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, k_end, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+          issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
         }
       } else {
         if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
@@ -421,7 +398,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   if (tid == 0) VSTAMP(43, clock64());
   cp_async_wait<0>();
   // No CTA of a cluster leaves while another may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  if constexpr (COPY > 1) cluster_sync();
 
   if (wg == 0 && t == 0) {
     sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
@@ -467,11 +444,11 @@ cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, c
   cfg->dynamicSmemBytes = SMEM_BYTES;
   cfg->stream = st;
   attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = MERGE ? 1 : cluster_of(COPY);
+  attr->val.clusterDim.x = MERGE ? 1 : (COPY > 1 ? COPY : 1);
   attr->val.clusterDim.y = MERGE ? grid.y : 1;
   attr->val.clusterDim.z = 1;
   cfg->attrs = attr;
-  cfg->numAttrs = MERGE || cluster_of(COPY) > 1 ? 1 : 0;
+  cfg->numAttrs = MERGE || COPY > 1 ? 1 : 0;
   return e;
 }
 
@@ -492,7 +469,7 @@ template <int COPY, bool MERGE>
 int wgmma_path_wave(int splits, int* ctas) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  const dim3 one(MERGE ? 1 : cluster_of(COPY), MERGE ? splits : 1, 1);  // one cluster
+  const dim3 one(COPY > 1 && !MERGE ? COPY : 1, MERGE ? splits : 1, 1);  // one cluster
   cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
   if (e != cudaSuccess) return (int)e;
   if (cfg.numAttrs == 0) {

@@ -8,14 +8,9 @@
 
 namespace kd {
 
-// Key-tile copy paths: cp.async by warpgroup 1 (any page size); TMA issued by one thread,
-// in clusters of 1 or 2 CTAs (pairs share each tile by multicast), where a tile is one
-// 64-row slab of a page; or TMA row by row (COPY_TMA_ROWS: other page sizes, SGLang's 1),
-// one box of a row's 64 columns at a time, issued by warpgroup 1's first warp.
+// Key-tile copy paths: cp.async by warpgroup 1 (any page size), or TMA issued by one
+// thread, in clusters of 1 or 2 CTAs (pairs share each tile by multicast).
 constexpr int COPY_CP_ASYNC = 0;
-constexpr int COPY_TMA_ROWS = 3;
-// CTAs of a path's cluster: pairs multicast; every other path runs without clusters.
-__host__ __device__ constexpr int cluster_of(int copy) { return copy == 2 ? 2 : 1; }
 
 // Shared memory of a CTA: Q and two key tiles of 576 columns x 64 rows (bf16, 128-byte
 // swizzled), P (64 x 64 bf16), four float rows (rescale, sums, maxima, and the mbarriers of
