@@ -265,7 +265,7 @@ def parser() -> argparse.ArgumentParser:
 
 # What each optional dependency comes with (pyproject.toml's extras).
 EXTRAS = {"pandas": "harness", "pyarrow": "harness", "seaborn": "harness", "matplotlib": "harness",
-          "tqdm": "harness", "httpx": "probe", "yaml": "workflow", "jsonschema": "workflow",
+          "tqdm": "harness", "httpx": "probe", "yaml": "harness", "jsonschema": "harness",
           "snakemake": "workflow"}
 
 

@@ -1,6 +1,8 @@
 """Bad input on the command line: a clear message naming what is wrong and a non-zero exit,
 never a traceback, and nothing written."""
 import argparse
+import pathlib
+import re
 
 import pandas as pd
 import pytest
@@ -55,3 +57,15 @@ def test_gather_joins_present_shards(tmp_path, capsys):
     main(["gather", "--out", str(tmp_path / "g.parquet"), str(tmp_path / "s0.parquet"), str(tmp_path / "s1.parquet")])
     assert sorted(pd.read_parquet(tmp_path / "g.parquet").x) == [0, 1]
 
+
+
+def test_each_missing_module_names_the_extra_that_brings_it():
+    """The message for a missing optional module names an extra that really lists it."""
+    import tomllib
+    from kdtree.cli import EXTRAS
+    extras = tomllib.loads((pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    dist = {"yaml": "pyyaml"}
+    for module, extra in EXTRAS.items():
+        names = [re.split(r"[<>=\[ ]", r)[0].lower() for r in extras[extra]]
+        assert dist.get(module, module) in names, (module, extra, names)
