@@ -96,7 +96,8 @@ def verify_attn(df: pd.DataFrame, path):
     if d.empty:
         return _placeholder(path, "Tree-verify attention", "no measured rows")
     d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
-    fig, axes = plt.subplots(2, 1, figsize=(11, 9.5))
+    peer = flashmla_ratio(d)
+    fig, axes = plt.subplots(2 + (peer is not None), 1, figsize=(11, 9.5 + 4.2 * (peer is not None)))
     k = d[d.impl == "kdtree_kernel"]
     sns.scatterplot(k, x="floor_us", y="median_us", hue="shape", style="batch", s=60, ax=axes[0])
     lo, hi = k.floor_us.min() * 0.8, max(k.median_us.max(), k.floor_us.max()) * 1.2
@@ -109,9 +110,27 @@ def verify_attn(df: pd.DataFrame, path):
     axes[1].set(ylabel="floor / time (1 = at the roofline)", title="Achieved fraction, all P and B")
     axes[1].tick_params(axis="x", rotation=45)
     _legend_outside(axes[1])
+    if peer is not None:
+        sns.pointplot(peer, x="shape", y="ratio", hue="batch", ax=axes[2], estimator="median", errorbar=("pi", 100), dodge=0.3,
+                      linestyles="none", markers="o", **{k: v for k, v in _batch_hue(peer).items() if k != "hue"})
+        axes[2].axhline(1.0, color="grey", ls=":", lw=1)
+        axes[2].set(ylabel="FlashMLA time / kdtree time", title="Against FlashMLA on the same inputs "
+                    "(above 1: kdtree faster; points: median over P, bars: its range)")
+        axes[2].tick_params(axis="x", rotation=45)
+        _legend_outside(axes[2])
     fig.suptitle(f"MLA tree-verify attention, bf16 ({_gpu_label(df)})")
     fig.tight_layout()
     _save(fig, path)
+
+
+def flashmla_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
+    """FlashMLA's time over kdtree's per point (same run and inputs), or None without FlashMLA rows."""
+    fm = d[d.impl == "flashmla"]
+    if fm.empty:
+        return None
+    keys = ["heads", "D", "prefix", "batch", "page_size"]
+    m = d[d.impl == "kdtree_kernel"].merge(fm[keys + ["median_us"]], on=keys, suffixes=("", "_fm"))
+    return m.assign(ratio=m.median_us_fm / m.median_us, batch=m.batch.astype(str))
 
 
 ACCEPT_IMPLS = {"cpu_walk": "CPU walk (reference)", "gpu_kernel": "GPU kernel, from the links",
