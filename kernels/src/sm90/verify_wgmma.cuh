@@ -190,18 +190,16 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
   const uint32_t rank = COPY > 1 ? cluster_rank() : 0;
 
-  // FULL(s) completes when slot s holds its tile: the TMA's bytes, or (cp.async) the
-  // arrivals of warpgroup 1's 128 threads, each once its copies have landed.
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(bar_full + 8 * s, TMA ? 1 : 128);
-      mbar_init(bar_empty + 8 * s, TMA ? COPY : 1);
-    }
-    mbar_init_fence();
-  }
-  if constexpr (COPY > 1) cluster_sync();  // no copy or arrival before every CTA's init
-  else __syncthreads();
   if constexpr (TMA) {
+    if (tid == 0) {
+      for (int s = 0; s < STAGES; ++s) {
+        mbar_init(bar_full + 8 * s, 1);
+        mbar_init(bar_empty + 8 * s, COPY);
+      }
+      mbar_init_fence();
+    }
+    if constexpr (COPY > 1) cluster_sync();  // no copy or arrival before every CTA's init
+    else __syncthreads();
     if (producer && ntiles > 0) issue_tile<COPY>(p, &tmap, table, k_begin, sKV, bar_full, rank);
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
@@ -211,14 +209,13 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     const __nv_bfloat16* src = ok ? p.q + ((size_t)b * p.R + m0 + r) * QK_DIM + ch * 8 : p.q;
     cp_async16_s(sQ + sw128_offset(ROWS, r, ch), src, ok ? 16 : 0);
   }
-  if (!TMA && wg == 1 && ntiles > 0) {
-    load_keys(p, table, k_begin, k_end, sKV, warp - 4);
-    cp_async_mbar_arrive_noinc(bar_full);
-  }
+  if (!TMA && wg == 1 && ntiles > 0) load_keys(p, table, k_begin, k_end, sKV, warp - 4);
   cp_async_commit();
-  cp_async_wait<0>();  // Q by cp.async: waited for once, here
-  fence_proxy_async();
-  __syncthreads();
+  if constexpr (TMA) {  // Q by cp.async: waited for once, here
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  }
 
   if (tid == 0) VSTAMP(2, clock64());
   float o[128];  // wgmma's accumulator order: o[4j + e] is element e of 8-column block j
@@ -237,13 +234,18 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   //                warpgroup 1 arrives after its KV_FREE(i) sync: no generation is
   //                counted twice);
   //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
-  // No block barrier starts a tile, on either copy path: warpgroup 0 waits on FULL(i % 2)
-  // after it has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i
-  // may still be landing; warpgroup 1 reads the tile only after P_READY. The named
-  // barriers alone keep the warpgroups within one tile.
+  // On the TMA path no barrier starts a tile: warpgroup 0 waits on FULL(i % 2) after it
+  // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
+  // still be landing; warpgroup 1 reads the tile only after P_READY. The named barriers
+  // alone keep the warpgroups within one tile.
   constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3;
   for (int it = 0; it < ntiles; ++it) {
     const uint32_t parity = (it >> 1) & 1;
+    if constexpr (!TMA) {
+      cp_async_wait<0>();
+      fence_proxy_async();
+      __syncthreads();  // tile `it` landed (and both PVs of tile it-1 are issued)
+    }
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
     const int k0 = k_begin + it * KEYS;
     float alpha[2];
@@ -257,8 +259,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       // more, but ptxas then serialises every wgmma.
       wgmma_wait<0>();
       named_arrive(KV_FREE, THREADS);
-      mbar_wait(bar_full + 8 * (it & 1), parity);
-      if constexpr (!TMA) fence_proxy_async();  // cp.async wrote the tile: visible to wgmma
+      if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
       if (tid == 0 && it < 10) VSTAMP(3 + 4 * it, clock64());
       wgmma_fence();
 #pragma unroll
@@ -351,7 +352,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       reg_fence(o);
       // KV_FREE before P_FREE: warpgroup 0 cannot then pass P_FREE and arrive on KV_FREE
       // for the next tile before this warpgroup has synced on it for this one (no
-      // __syncthreads separates tiles).
+      // __syncthreads separates tiles on the TMA path).
       named_sync(KV_FREE, THREADS);
       named_arrive(P_FREE, THREADS);
       // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
@@ -368,18 +369,14 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
           issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
         }
       } else {
-        if (nx < ntiles) {
-          load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
-          cp_async_mbar_arrive_noinc(bar_full + 8 * (nx & 1));
-        }
+        if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
         cp_async_commit();
       }
       if (tid == 128 && it < 10) VSTAMP(6 + 4 * it, clock64());
       named_sync(P_READY, THREADS);
       // S(it) has read the tile, so this passes at once; it makes the copy visible to
       // this warpgroup's PV as well.
-      mbar_wait(bar_full + 8 * (it & 1), parity);
-      if constexpr (!TMA) fence_proxy_async();
+      if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
       alpha[0] = sAlpha[rbase + g];
       alpha[1] = sAlpha[rbase + g + 8];
       rescale_rows(alpha, o_at);
