@@ -56,6 +56,7 @@ COVERED = {
     "python3 -m kdtree sweep round": ("gpu", "rule sweep_gpu of the reference run"),
     "scripts/ab.sh": ("gpu", "the same-run A/B of the package split (CHANGELOG 0.2.0)"),
     "scripts/ab_compare.py": ("run", None),
+    "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),
