@@ -28,37 +28,32 @@ def write_atomic(path, write) -> None:
     """write(tmp_path) into a temporary file beside `path`, then one rename: a reader sees
     the old file or the whole new one. Mode 0644, as the committed results have (mkstemp
     makes 0600)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        pathlib.Path(tmp).unlink(missing_ok=True)
-        raise
+    write_all_atomic({path: write})
 
 
-def write_parquets_atomic(frames: dict) -> None:
-    """Several Parquet files that belong together (a probe's rows and its summary): every
-    one is staged before any is renamed into place, so a failed write replaces none."""
+def write_all_atomic(writers: dict) -> None:
+    """write_atomic for several files that belong together (a probe's rows and its summary):
+    every one is staged before any is renamed into place, so a failed write replaces none."""
     staged = []
     try:
-        for path, df in frames.items():
+        for path, write in writers.items():
             path = pathlib.Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
             os.close(fd)
             staged.append((tmp, path))
-            df.to_parquet(tmp, index=False)
+            write(tmp)
             os.chmod(tmp, 0o644)
         for tmp, path in staged:
             os.replace(tmp, path)
     finally:
         for tmp, _ in staged:
             pathlib.Path(tmp).unlink(missing_ok=True)
+
+
+def write_parquets_atomic(frames: dict) -> None:
+    """Several Parquet files at once (write_all_atomic)."""
+    write_all_atomic({path: (lambda tmp, df=df: df.to_parquet(tmp, index=False)) for path, df in frames.items()})
 
 
 def write_parquet_atomic(df: pd.DataFrame, path) -> None:
