@@ -50,6 +50,17 @@ def measure_ceilings(nbytes: int = 1 << 31, mm: int = 8192) -> dict:
 _CLAIM = None  # the open lock file of the GPU this process holds
 
 
+def nvidia_smi_gpus() -> list[str] | None:
+    """The GPU indices `nvidia-smi -L` lists, or None where it cannot run."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return [str(i) for i, _ in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
+
+
 def claim_gpu(lock_dir=None) -> str | None:
     """Give this process a GPU of its own (sets CUDA_VISIBLE_DEVICES); call before CUDA starts.
 
@@ -61,7 +72,6 @@ def claim_gpu(lock_dir=None) -> str | None:
     import fcntl
     import os
     import pathlib
-    import subprocess
     import time
 
     global _CLAIM
@@ -71,11 +81,7 @@ def claim_gpu(lock_dir=None) -> str | None:
     if visible is not None:
         candidates = [visible]           # the user chose the GPU(s): serialise on that choice
     else:
-        try:
-            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-        except (OSError, subprocess.SubprocessError):
-            return None
-        candidates = [str(i) for i, ln in enumerate(x for x in out.splitlines() if x.startswith("GPU "))]
+        candidates = nvidia_smi_gpus()
         if not candidates:
             return None
     from .provenance import ROOT

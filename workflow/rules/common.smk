@@ -71,22 +71,19 @@ def job_resources(gpu: bool, cpu_timed: bool) -> dict:
 
 def _visible_gpus() -> int:
     """GPUs this host shows (CUDA_VISIBLE_DEVICES, else nvidia-smi -L); 0 if none."""
-    import subprocess
+    from kdtree.harness.gpu import nvidia_smi_gpus
 
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
     if vis is not None:
         return len([v for v in vis.split(",") if v.strip()])
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for ln in out.splitlines() if ln.startswith("GPU "))
+    return len(nvidia_smi_gpus() or [])
 
 
 workflow.global_resources.setdefault("bench", 1)
 # As many GPU jobs at once as this host has GPUs (none known: no limit, e.g. a SLURM submit host).
-if _visible_gpus() > 0:
-    workflow.global_resources.setdefault("gpu", _visible_gpus())
+_GPUS = _visible_gpus()
+if _GPUS > 0:
+    workflow.global_resources.setdefault("gpu", _GPUS)
 
 
 wildcard_constraints:
