@@ -12,6 +12,7 @@ import torch
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.checks import NEG_INF_FLOOR, InputError
 from kdtree.reference.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
+from kdtree.harness.timing import capture_graph
 from kdtree.harness.workloads import follow_targets, paged_case, stage_a_inputs
 
 pytestmark = pytest.mark.gpu
@@ -802,14 +803,7 @@ def test_round_captures_in_one_cuda_graph(ops):
         acc = ops.tree_accept(trees.tokens, s["target"], L, next_token=trees.next_token, next_sibling=trees.next_sibling)
         return trees, out, lse, acc
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        round_(static)   # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        captured = round_(static)
+    g, captured = capture_graph(lambda: round_(static))
     for seed in (2, 3):
         lp, ids, case2, target = inputs(seed)
         static["lp"].copy_(lp); static["ids"].copy_(ids); static["target"].copy_(target)
@@ -836,14 +830,7 @@ def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_sp
     lse = torch.empty(B, D, H, dtype=torch.float32, device=DEV)
     run = lambda: ops.tree_verify(q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
                                   SCALE, kernel=verify_path, num_splits=num_splits, out=(out, lse))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
+    g, _ = capture_graph(run)
     for seed in (1, 2):
         q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
         out.fill_(float("nan"))

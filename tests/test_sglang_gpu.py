@@ -6,6 +6,7 @@ import torch
 
 from kdtree import sglang
 from kdtree.reference.attention import verify_attention_ref
+from kdtree.harness.timing import capture_graph
 from kdtree.harness.workloads import stage_a_inputs
 from kdtree.sglang import reference as ref
 
@@ -144,14 +145,7 @@ def test_whole_round_is_captured_in_one_cuda_graph():
         sglang.accept(lay.tree_tokens, lay.retrieve_next_token, lay.retrieve_next_sibling, s["target"], out=acc)
         return lay
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        round_()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lay = round_()
+    graph, lay = capture_graph(round_)
     for seed in (2, 3):
         lp, ids, budgets, bonus, prefix = round_inputs(seed, bs, q, V)
         trees, want = cpu_round(lp, ids, budgets, bonus, prefix, q)

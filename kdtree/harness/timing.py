@@ -28,8 +28,9 @@ def time_cpu(fn, reps: int = 5, warmup: int = 1, max_seconds: float = 10.0) -> d
     return summarize(out)
 
 
-def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
-    """Device time per call: fn captured `inner` times into one CUDA graph, replays timed by events."""
+def capture_graph(fn, inner: int = 1, warmup: int = 1):
+    """(graph, fn's last result): fn run `warmup` times on a side stream (lazy allocations and
+    plans made outside capture, as torch asks), then captured `inner` times into one CUDA graph."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -40,9 +41,18 @@ def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
+    result = None
     with torch.cuda.graph(g):
         for _ in range(inner):
-            fn()
+            result = fn()
+    return g, result
+
+
+def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
+    """Device time per call: fn captured `inner` times into one CUDA graph, replays timed by events."""
+    import torch
+
+    g, _ = capture_graph(fn, inner=inner, warmup=warmup)
     g.replay()
     torch.cuda.synchronize()
     samples = [t / inner for t in _event_seconds(g.replay, replays)]
