@@ -158,18 +158,21 @@ def cmd_check(args):
     print(f"check {args.what}: ok")
 
 
-def cmd_config_doc(args):
-    from .tools.config_doc import generate
-    text = generate(".")
-    out = pathlib.Path("config/README.md")
-    if args.check:
+def _generated(out: pathlib.Path, text: str, check: bool, what: str, command: str) -> None:
+    """Write a generated file, or with --check fail if the committed one differs."""
+    if check:
         if not out.exists() or out.read_text() != text:
-            sys.exit("config/README.md is out of date: run `python -m kdtree config-doc`")
-        print("config/README.md: up to date")
+            sys.exit(f"{what} is out of date: run `python -m kdtree {command}`")
+        print(f"{what}: up to date")
         return
     from .harness.results import write_text_atomic
     write_text_atomic(text, out)
-    print(f"config-doc -> {out}")
+    print(f"{command} -> {out}")
+
+
+def cmd_config_doc(args):
+    from .tools.config_doc import generate
+    _generated(pathlib.Path("config/README.md"), generate("."), args.check, "config/README.md", "config-doc")
 
 
 def cmd_readme(args):
@@ -177,15 +180,8 @@ def cmd_readme(args):
     out = pathlib.Path("README.md")
     if not out.is_file():
         sys.exit("readme: run it in the repository root (README.md not found)")
-    text = render_readme(out.read_text(), args.results)
-    if args.check:
-        if out.read_text() != text:
-            sys.exit(f"README.md's results block is out of date: run `python -m kdtree readme`")
-        print("README.md: results block up to date")
-        return
-    from .harness.results import write_text_atomic
-    write_text_atomic(text, out)
-    print(f"readme -> {out}")
+    _generated(out, render_readme(out.read_text(), args.results), args.check, "README.md's results block",
+               "readme")
 
 
 def cmd_probe(args):
