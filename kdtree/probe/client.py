@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 import urllib.parse
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import pandas as pd
 
@@ -521,6 +521,7 @@ def probe_to_parquet(cfg: ProbeConfig, out, summary_out=None) -> ProbeOutcome:
     cfg.check()
     check_output(out)
     check_output(summary_out or summary_path(out))
+    cfg = replace(cfg, prompts=cfg.prompts or load_prompts(cfg.prompts_file))
     st = ProbeRun()
     try:
         df, summary, msg = asyncio.run(run_probe(cfg, st))
@@ -543,8 +544,7 @@ def main(args) -> int:
                       temperature=args.temperature, prompts_file=args.prompts)
     try:
         cfg.check()
-        if args.prompts:
-            load_prompts(args.prompts)
+        cfg.prompts = load_prompts(args.prompts)   # read once: the run and the prompt hash use it
         check_output(args.out)
         check_output(summary_path(args.out))
     except ValueError as e:
