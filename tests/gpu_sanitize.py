@@ -54,11 +54,13 @@ def main():
     for path in ("auto", "wgmma_combine"):  # 2 splits: pairs merge through the combine kernel
         ops.tree_verify(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
                         0.130861, kernel=path, num_splits=1 if path == "auto" else 2)
-    # Page size 1 (SGLang's pool): keys by cp.async, one page lookup a row.
-    ones = paged_case([0, 70, 200], 41, 8, 1, seed=5, device="cuda")
-    for path, splits in (("auto", 1), ("auto", 3), ("wgmma_cp_async", 1)):
-        ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
-                        kernel=path, num_splits=splits)
+    # Page size 1 (SGLang's pool): tiles of consecutive rows by TMA, the others by cp.async
+    # (auto), or every tile by cp.async, one page lookup a row (wgmma_cp_async).
+    for layout in ("scattered", "runs", "broken_runs"):
+        ones = paged_case([0, 70, 200, 900], 41, 8, 1, seed=5, device="cuda", layout=layout)
+        for path, splits in (("auto", 1), ("auto", 3), ("wgmma_cp_async", 1)):
+            ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
+                            kernel=path, num_splits=splits)
     torch.cuda.synchronize()
     print("sanitize run finished:", np.asarray(trees.node_counts.cpu()).tolist())
 

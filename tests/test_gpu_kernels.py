@@ -645,7 +645,10 @@ def test_hopper_dispatches_to_wgmma(ops):
     assert plan(ops, 16, 16 * 8).name == "wgmma_tma"         # 2 row tiles
     assert plan(ops, 16, 64 * 16).name == "wgmma_tma_x2"     # 16 row tiles
     assert plan(ops, 16, 64 * 16, page=192).name == "wgmma_tma_x2"
-    assert plan(ops, 16, 64 * 16, page=32).name == "wgmma"   # cp.async
+    # Other page sizes: TMA for the tiles of consecutive cache rows, cp.async for the rest.
+    assert plan(ops, 16, 64 * 16, page=32).name == "wgmma_tma_runs"
+    assert plan(ops, 16, 16 * 8, page=1).name == "wgmma_tma_runs"
+    assert plan(ops, 16, 16 * 8, page=1, kernel="wgmma_cp_async").name == "wgmma"
     # Splits on the TMA path: 2 merge in clusters from 16 row tiles on, where the clusters
     # all fit at once.
     merge = lambda B, page=64, splits=2, kernel="auto": plan(ops, B, 16 * 8, page, kernel=kernel,
@@ -655,7 +658,7 @@ def test_hopper_dispatches_to_wgmma(ops):
     assert merge(8, splits=3) == "combine_kernel"  # above 2
     assert merge(7) == "combine_kernel"           # 14 row tiles
     assert merge(1024) == "combine_kernel"        # 2048 clusters
-    assert merge(8, page=32) == "combine_kernel"  # cp.async copy
+    assert merge(8, page=32) == "combine_kernel"  # page-slab TMA only
     if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once
         assert merge(33) == "cluster"
         assert merge(34) == "combine_kernel"
@@ -711,6 +714,28 @@ TMA_GRID = [
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 def test_verify_attention_tma_paths(ops, prefixes, D, H, page, num_splits):
     case = paged_case(prefixes, D, H, page, seed=D + page + (num_splits or 0), device=DEV)
+    check_attention(ops, case, num_splits=num_splits)
+
+
+# Page sizes off 64 on Hopper: a tile goes by TMA where its keys are 64 consecutive cache
+# rows, else by cp.async, tile by tile. Block tables of one run a request (the last tile
+# reads past the request's rows into another request's run or the NaN spares) and runs
+# broken about every 16 pages (a request mixes both copies), ragged with P = 0.
+RUNS_GRID = [
+    ([0, 5, 64, 129], 16, 8, 1),
+    ([250, 4100, 63], 5, 64, 1),
+    ([3000, 700], 17, 16, 16),
+    ([1000, 0, 2049], 33, 8, 32),
+]
+
+
+@pytest.mark.parametrize("layout", ["runs", "broken_runs"])
+@pytest.mark.parametrize("prefixes,D,H,page", RUNS_GRID)
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_verify_attention_tma_runs(ops, layout, prefixes, D, H, page, num_splits):
+    case = paged_case(prefixes, D, H, page, seed=D + page + (num_splits or 0), device=DEV, layout=layout)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert ops.TreeVerifyPlan(len(prefixes), D, H, page, case.block_table.shape[1]).name == "wgmma_tma_runs"
     check_attention(ops, case, num_splits=num_splits)
 
 

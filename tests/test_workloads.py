@@ -28,3 +28,27 @@ def test_paged_case_layout():
         assert torch.isfinite(rows[:s].float()).all()
         assert torch.isnan(rows[s:].float()).all()
     assert c.block_table.tolist() != sorted(c.block_table.tolist())
+
+
+def test_table_layouts():
+    """Block tables shuffled, in runs of consecutive pages (one a request), or runs broken
+    about every 16 pages; each a permutation of the cache's pages, and the cache's live
+    rows the same keys whatever the order."""
+    import pytest
+
+    from kdtree.harness.workloads import page_order
+
+    g = torch.Generator().manual_seed(3)
+    for layout in ("scattered", "runs", "broken_runs"):
+        assert sorted(page_order([5, 300, 1], 2, layout, g).tolist()) == list(range(308))
+    steps = {}
+    for layout in ("scattered", "runs", "broken_runs"):
+        case = paged_case([600, 2000], 16, 8, 1, seed=7, layout=layout)
+        t, seq = case.block_table.long(), case.seq_lens.tolist()
+        steps[layout] = [float((t[b, 1:s] - t[b, :s - 1] == 1).float().mean()) for b, s in enumerate(seq)]
+        assert not torch.isnan(case.kv_cache[t[1, :seq[1]], 0]).any()  # every live key has its row
+    assert max(steps["scattered"]) < 0.05
+    assert steps["runs"] == [1.0, 1.0]
+    assert all(0.6 < s < 0.97 for s in steps["broken_runs"]), steps
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        page_order([1], 0, "sorted", g)

@@ -3,8 +3,10 @@
 * Drafter logits in bf16 with mixed entropy: peaked rows (one or two dominant
   tokens), flat rows, and coarse rows whose values collapse onto a few bf16 steps
   so that exact ties are the normal case (as the spec warns they are).
-* Paged latent caches with ragged prefix lengths, shuffled block tables, and every
-  unused page and row poisoned with NaN so that an over-read shows in the output.
+* Paged latent caches with ragged prefix lengths, block tables that are shuffled or
+  runs of consecutive pages (SGLang's page-size-1 allocator hands a prefill one run),
+  and every unused page and row poisoned with NaN so that an over-read shows in the
+  output.
 """
 from __future__ import annotations
 
@@ -48,11 +50,42 @@ class PagedCase:
     prefix_lens: list
 
 
+TABLE_LAYOUTS = ("scattered", "runs", "broken_runs")
+
+
+def page_order(pages_per: list, spare_pages: int, layout: str, g: torch.Generator) -> torch.Tensor:
+    """Page ids in the order the requests take them (request 0's first, the spares last).
+
+    ``scattered``: a random permutation (no two neighbours consecutive but by chance);
+    ``runs``: each request's pages are consecutive ids, the requests at shuffled places;
+    ``broken_runs``: runs with about one page in 16 swapped with another of the request's,
+    so that a request mixes tiles of consecutive rows and tiles that are not.
+    """
+    if layout not in TABLE_LAYOUTS:
+        raise ValueError(f"layout: expected one of {TABLE_LAYOUTS}, got {layout!r}")
+    num_pages = sum(pages_per) + spare_pages
+    if layout == "scattered":
+        return torch.randperm(num_pages, generator=g)
+    first, at = [0] * len(pages_per), 0
+    for b in torch.randperm(len(pages_per), generator=g).tolist():  # the runs' order in the cache
+        first[b], at = at, at + pages_per[b]
+    runs = []
+    for b, n in enumerate(pages_per):
+        ids = torch.arange(n) + first[b]
+        if layout == "broken_runs" and n > 1:
+            for i in torch.nonzero(torch.rand(n, generator=g) < 1 / 16).flatten().tolist():
+                j = int(torch.randint(0, n, (1,), generator=g))
+                ids[[i, j]] = ids[[j, i]]
+        runs.append(ids)
+    return torch.cat(runs + [torch.arange(spare_pages) + sum(pages_per)])
+
+
 def paged_case(prefix_lens, D: int, H: int, page_size: int, seed: int, visibility=None,
-               spare_pages: int = 2, device="cpu") -> PagedCase:
+               spare_pages: int = 2, device="cpu", layout: str = "scattered") -> PagedCase:
     """A paged latent cache holding ``P_b + D`` live rows per request, everything else NaN.
 
-    ``visibility`` defaults to random trees (random parents, ancestor closure).
+    ``visibility`` defaults to random trees (random parents, ancestor closure); ``layout``
+    orders the block tables' page ids (``page_order``).
     """
     g = torch.Generator().manual_seed(seed)
     B = len(prefix_lens)
@@ -60,7 +93,7 @@ def paged_case(prefix_lens, D: int, H: int, page_size: int, seed: int, visibilit
     pages_per = [(s + page_size - 1) // page_size for s in seq]
     max_pages = max(pages_per)
     num_pages = sum(pages_per) + spare_pages
-    perm = torch.randperm(num_pages, generator=g)
+    perm = page_order(pages_per, spare_pages, layout, g)
     cache = torch.full((num_pages, page_size, QK_DIM), float("nan"), dtype=torch.bfloat16)
     table = torch.full((B, max_pages), -1, dtype=torch.int32)
     used = 0

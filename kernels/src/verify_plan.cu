@@ -10,10 +10,11 @@
 // |         | holds the tile, and not (R <= 64 rows in a small launch); else mma.sync   |
 // | rows    | wgmma 64; mma.sync the fewest of 16/32/64 that cover R and fit            |
 // | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists (pairs of row |
-// |         | tiles multicast from 16 row tiles, even counts); else cp.async            |
+// |         | tiles multicast from 16 row tiles, even counts); other page sizes: TMA    |
+// |         | for each tile of 64 consecutive cache rows, cp.async for the others       |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
 // |         | tiles else 2), 1..128                                                     |
-// | merge   | 2 splits on the TMA path, >= 16 row tiles, clusters all resident: in the  |
+// | merge   | 2 splits, page-slab TMA, >= 16 row tiles, clusters all resident: in the   |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 //
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.

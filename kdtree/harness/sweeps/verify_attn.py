@@ -6,6 +6,7 @@ import math
 from ...reference.attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
 from ..gpu import ensure_fits, measure_ceilings
 from ..timing import time_events, time_graph
+from ..workloads import page_order
 from .runner import run_sweep
 
 SPEC_BW = 4.3e12       # bytes/s (spec verify_attention.md, measured copy on an H200)
@@ -16,8 +17,9 @@ def floor_us(B, D, H, P) -> float:
     return max(attention_bytes(B, D, H, P) / SPEC_BW, attention_flops(B, D, H, P) / SPEC_FLOPS) * 1e6
 
 
-def gpu_case(B, D, H, P, page, seed):
-    """Paged cache, shuffled block table and random tree masks, made on the GPU."""
+def gpu_case(B, D, H, P, page, seed, layout="scattered"):
+    """Paged cache, block table (``layout``: workloads.page_order's; scattered is a shuffle)
+    and random tree masks, made on the GPU."""
     import torch
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -26,7 +28,11 @@ def gpu_case(B, D, H, P, page, seed):
     num_pages = B * per + 1
     cache = torch.randn(num_pages, page, QK_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     cache[-1] = float("nan")   # a poisoned spare page that no live row points at
-    table = torch.randperm(num_pages - 1, device="cuda", generator=g)[:B * per].view(B, per).int()
+    if layout == "scattered":
+        table = torch.randperm(num_pages - 1, device="cuda", generator=g)[:B * per].view(B, per).int()
+    else:
+        order = page_order([per] * B, 0, layout, torch.Generator().manual_seed(seed))
+        table = order.view(B, per).int().to("cuda")
     q = torch.randn(B, D, H, QK_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
     seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
     vis = torch.zeros(B, D, D, dtype=torch.bool, device="cuda")
@@ -106,7 +112,8 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     need = (B * (math.ceil(S / page) + 1) * page * QK_DIM * 2 + B * D * H * (QK_DIM + LATENT_DIM) * 2
             + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
     ensure_fits(need, cfg["gpu_mem_cap_gb"])
-    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P)
+    layout = cfg.get("table_layout", "scattered")
+    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, layout)
     scale = cfg["scale"]
     # Rotate through enough cache copies that one pass over them exceeds twice the L2, so a
     # replay reads HBM as a real decode step does (spec pipeline.md: never time the cache).
@@ -128,7 +135,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     fl = floor_us(B, D, H, P)
     nbytes = attention_bytes(B, D, H, P)
     base = dict(p, floor_us=fl, bytes=nbytes, flops=attention_flops(B, D, H, P), cache_copies=copies,
-                **ceilings)
+                table_layout=layout, **ceilings)
     def kernel_row(impl, kernel):
         pl, t = plan(kernel), timed(kernel)
         name = "wgmma_tma" if pl.merge == "cluster" else pl.name  # clusters of splits, so no pairs

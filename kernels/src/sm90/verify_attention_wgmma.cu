@@ -1,11 +1,12 @@
 // Host side of the wgmma verify kernel (sm_90a builds only): which copy path a launch
 // takes, the cache's tensor map for the TMA paths, and the wave the host sizes splits by.
 //
-// TMA needs a page size that is a multiple of 64 (a 64-key tile is then one slab of one
-// page), a 16-byte aligned cache (kd_verify_attention refuses any other) and the driver's
-// tensor-map encoder, fetched through the runtime (cudaGetDriverEntryPointByVersion:
-// nothing links libcuda). Otherwise, or when the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC),
-// warpgroup 1 copies by cp.async.
+// TMA needs a 16-byte aligned cache (kd_verify_attention refuses any other) and the
+// driver's tensor-map encoder, fetched through the runtime (cudaGetDriverEntryPointByVersion:
+// nothing links libcuda). With a page size that is a multiple of 64 every 64-key tile is one
+// slab of one page; with any other (SGLang's 1) the kernel checks each tile and copies it by
+// TMA where its keys are 64 consecutive cache rows, by cp.async elsewhere (COPY_RUNS). When
+// the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC), warpgroup 1 copies every tile by cp.async.
 // Clusters: multicast to pairs of row tiles pays only where many row tiles share each
 // key tile (with few, the pair's lock step costs more than the L2 reads it saves), so
 // pairs are formed from 16 row tiles on, when their count is even (A/B in the notes, v5);
@@ -77,10 +78,11 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   return true;
 }
 
-// The path for R query rows and this page size: COPY_CP_ASYNC or a TMA cluster size.
+// The path for R query rows and this page size: COPY_CP_ASYNC, COPY_RUNS or a TMA cluster
+// size.
 int copy_path(int R, int page_size, int64_t rows, int path) {
-  if (path == KD_VERIFY_WGMMA_CP_ASYNC || page_size % 64 != 0 || rows >= (int64_t{1} << 31) || !encoder())
-    return COPY_CP_ASYNC;
+  if (path == KD_VERIFY_WGMMA_CP_ASYNC || rows >= (int64_t{1} << 31) || !encoder()) return COPY_CP_ASYNC;
+  if (page_size % 64 != 0) return COPY_RUNS;
   constexpr int PAIRS_FROM_ROW_TILES = 16;
   const int row_tiles = ceil_div(R, WGMMA_ROWS);
   return KD_VERIFY_MULTICAST && row_tiles >= PAIRS_FROM_ROW_TILES && row_tiles % 2 == 0 ? 2 : 1;
@@ -112,13 +114,15 @@ int verify_wgmma_wave(int copy, int* ctas) {
   switch (copy) {
     case 1: return verify_wgmma_path_wave<1, false>(1, ctas);
     case 2: return verify_wgmma_path_wave<2, false>(1, ctas);
+    case COPY_RUNS: return verify_wgmma_path_wave<COPY_RUNS, false>(1, ctas);
     default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
   }
 }
 
 bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
+  const int copy = copy_path(R, page_size, 0, path);
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
-      copy_path(R, page_size, 0, path) == COPY_CP_ASYNC)
+      copy == COPY_CP_ASYNC || copy == COPY_RUNS)  // the merge runs on page-slab TMA only
     return false;
   const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
   int dev = 0;
@@ -137,6 +141,7 @@ int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy,
   switch (copy) {
     case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
     case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);
+    case COPY_RUNS: return launch_verify_wgmma_path<COPY_RUNS, false>(p, map, B, st);
     default: return launch_verify_wgmma_path<COPY_CP_ASYNC, false>(p, map, B, st);
   }
 }

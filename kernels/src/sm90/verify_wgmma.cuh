@@ -10,7 +10,9 @@
 //                factors to shared memory;
 //   warpgroup 1: streams the next key tile in meanwhile: by cp.async (COPY = COPY_CP_ASYNC,
 //                any page size), or one of its threads issues TMA boxes (page sizes that
-//                are multiples of 64: a tile is one 64-row slab of one page);
+//                are multiples of 64: a tile is one 64-row slab of one page; COPY_RUNS:
+//                each tile whose keys are 64 consecutive cache rows, the others by
+//                cp.async);
 //   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
 //                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
 // PV of a tile overlaps S of the next (named barriers hand the buffers over). Tiles:
@@ -94,15 +96,13 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
   }
 }
 
-// TMA path, one thread of warpgroup 1: this CTA's share of key tile `j` (keys k0..k0+63,
-// one 64-row slab of one page) into slot `slot` of every CTA of the cluster. Column block
-// c goes from CTA rank c % COPY; each CTA's FULL barrier expects the whole tile.
+// TMA path, one thread of warpgroup 1: this CTA's share of the key tile whose 64 keys are
+// cache rows y..y+63 (one slab of one page, or a run of rows) into slot `slot` of every CTA
+// of the cluster. Column block c goes from CTA rank c % COPY; each CTA's FULL barrier
+// expects the whole tile.
 template <int COPY>
-__device__ __forceinline__ void issue_tile(const VerifyParams& p, const CUtensorMap* tmap,
-                                           const int32_t* table, int k0, uint32_t slot,
-                                           uint32_t full, uint32_t rank) {
-  const int page = table[k0 / p.page_size];
-  const int y = page * p.page_size + k0 % p.page_size;
+__device__ __forceinline__ void issue_tile(const CUtensorMap* tmap, int y, uint32_t slot, uint32_t full,
+                                           uint32_t rank) {
   mbar_arrive_expect_tx(full, KV_BYTES);
 #pragma unroll
   for (int c = 0; c < QK_DIM / 64; ++c) {
@@ -111,6 +111,72 @@ __device__ __forceinline__ void issue_tile(const VerifyParams& p, const CUtensor
     if constexpr (COPY == 1) tma_load_2d(dst, tmap, c * 64, y, full);
     else tma_load_2d_multicast(dst, tmap, c * 64, y, full, (uint16_t)((1u << COPY) - 1));
   }
+}
+
+// The cache row (page * page_size + offset) of key `pos`; TMA paths only (rows < 2^31).
+__device__ __forceinline__ int key_row(const VerifyParams& p, const int32_t* table, int pos) {
+  const int page = p.page_shift >= 0 ? table[pos >> p.page_shift] : table[pos / p.page_size];
+  return page * p.page_size + (p.page_shift >= 0 ? pos & (p.page_size - 1) : pos % p.page_size);
+}
+
+// COPY_RUNS: every warp of warpgroup 1 looks up the cache rows of a tile's keys (lane l:
+// keys k0 + l and k0 + 32 + l; -1 at or past `end`) one tile ahead, so neither the
+// choice between TMA and cp.async nor the cp.async addresses wait on a table load.
+__device__ __forceinline__ void fetch_rows(const VerifyParams& p, const int32_t* table, int k0, int end,
+                                           int (&row)[2]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int k = k0 + lane + 32 * h;
+    row[h] = k < end ? key_row(p, table, k) : -1;
+  }
+}
+
+// Whether the tile's keys (below `end`) are consecutive rows from the first key's, `y`: then
+// one TMA slab of 64 rows copies it (rows past `end` are masked, and zeroed after S, as on
+// the page-slab path). The same answer in every warp.
+__device__ __forceinline__ bool rows_are_run(const int (&row)[2], int& y) {
+  const int lane = threadIdx.x & 31;
+  y = __shfl_sync(0xffffffffu, row[0], 0);  // the tile's first key is below `end`
+  bool run = true;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) run &= row[h] < 0 || row[h] == y + lane + 32 * h;
+  return __all_sync(0xffffffffu, run);
+}
+
+// A tile that is not a run, by cp.async from its looked-up rows: warp w of warpgroup 1
+// copies rows 16w..16w+15 as load_keys does (rows past `end` zero-filled).
+__device__ __forceinline__ void copy_rows(const VerifyParams& p, const int (&row)[2], uint32_t tile, int w) {
+  const int lane = threadIdx.x & 31;
+  const int mine = (w >> 1) ? row[1] : row[0];  // rows 16w.. lie in half w / 2
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+    const int src_row = __shfl_sync(0xffffffffu, mine, (16 * w + r) & 31);
+    const __nv_bfloat16* src = p.kv + (size_t)max(src_row, 0) * QK_DIM + lane * 8;
+    const uint32_t dst = tile + (16 * w + r) * BLOCK_BYTES;
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      const int c = lane + 32 * i;  // (16w + r) % 8 == r % 8
+      if (i < 2 || lane < 8)
+        cp_async16_s(dst + (c >> 3) * KEYS * BLOCK_BYTES + (((c & 7) ^ (r & 7)) << 4), src + 32 * 8 * i,
+                     src_row >= 0 ? 16 : 0);
+    }
+  }
+}
+
+// COPY_RUNS, every thread of warpgroup 1: requests a tile into `slot`. A run: one thread
+// issues the TMA slab, which completes the FULL barrier by its bytes. Otherwise each
+// thread copies its rows by cp.async; the barrier completes at the end of the iteration,
+// when they have landed (the loop's RUNS epilogue).
+__device__ __forceinline__ void request_tile(const VerifyParams& p, const CUtensorMap* tmap, const int (&row)[2],
+                                             bool run, int y, uint32_t slot, uint32_t full, bool producer, int w) {
+  if (!run) copy_rows(p, row, slot, w);
+  else if (producer) issue_tile<1>(tmap, y, slot, full, 0);
+}
+
+// The first row of a tile that lies in one page (page sizes that are multiples of 64).
+__device__ __forceinline__ int slab_row(const VerifyParams& p, const int32_t* table, int k0) {
+  return table[k0 / p.page_size] * p.page_size + k0 % p.page_size;
 }
 
 // The merge of a cluster's S splits (the MERGE epilogue): this CTA (split = cluster rank
@@ -157,14 +223,17 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
   }
 }
 
-// COPY: COPY_CP_ASYNC, or the TMA cluster size (1, 2; launched with that cluster shape).
+// COPY: COPY_CP_ASYNC, the TMA cluster size (1, 2; launched with that cluster shape), or
+// COPY_RUNS (TMA or cp.async tile by tile, no cluster).
 // MERGE: the splits of a row tile are one cluster (1 x num_splits) and merge in it.
 template <int COPY, bool MERGE>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
   static_assert(!MERGE || COPY == 1, "the merge's clusters run on the TMA path without multicast");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr bool TMA = COPY != COPY_CP_ASYNC;
+  constexpr bool TMA = COPY != COPY_CP_ASYNC;  // the mbarrier pipeline (RUNS included)
+  constexpr bool RUNS = COPY == COPY_RUNS;
+  constexpr int CLUSTER = copy_cluster(COPY);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t sQ = (raw + 1023) & ~1023u;  // swizzle atoms repeat every 1024 bytes
@@ -188,19 +257,31 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
-  const uint32_t rank = COPY > 1 ? cluster_rank() : 0;
+  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
+  int next[2] = {-1, -1};  // RUNS, warpgroup 1: the rows of the next tile to request
+  bool run = false;        // RUNS, warpgroup 1: the tile last requested goes by TMA
 
   if constexpr (TMA) {
     if (tid == 0) {
       for (int s = 0; s < STAGES; ++s) {
         mbar_init(bar_full + 8 * s, 1);
-        mbar_init(bar_empty + 8 * s, COPY);
+        mbar_init(bar_empty + 8 * s, CLUSTER);
       }
       mbar_init_fence();
     }
-    if constexpr (COPY > 1) cluster_sync();  // no copy or arrival before every CTA's init
+    if constexpr (CLUSTER > 1) cluster_sync();  // no copy or arrival before every CTA's init
     else __syncthreads();
-    if (producer && ntiles > 0) issue_tile<COPY>(p, &tmap, table, k_begin, sKV, bar_full, rank);
+    if constexpr (RUNS) {
+      if (wg == 1 && ntiles > 0) {
+        int rows[2], y;
+        fetch_rows(p, table, k_begin, k_end, rows);
+        if (ntiles > 1) fetch_rows(p, table, k_begin + KEYS, k_end, next);
+        run = rows_are_run(rows, y);
+        request_tile(p, &tmap, rows, run, y, sKV, bar_full, producer, warp - 4);
+      }
+    } else if (producer && ntiles > 0) {
+      issue_tile<CLUSTER>(&tmap, slab_row(p, table, k_begin), sKV, bar_full, rank);
+    }
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
@@ -215,6 +296,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     cp_async_wait<0>();
     fence_proxy_async();
     __syncthreads();
+    if (RUNS && producer && ntiles > 0 && !run) mbar_arrive(bar_full);  // tile 0 by cp.async: landed
   }
 
   if (tid == 0) VSTAMP(2, clock64());
@@ -357,16 +439,26 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       named_arrive(P_FREE, THREADS);
       // The next tile streams in while warpgroup 0 works (its slot held tile it-1).
       const int nx = it + 1;
-      if constexpr (TMA) {
+      if constexpr (RUNS) {  // the slot is free: KV_FREE above, this warpgroup's PV waited
+        if (nx < ntiles) {
+          const uint32_t s = nx & 1;
+          int y;
+          run = rows_are_run(next, y);
+          request_tile(p, &tmap, next, run, y, sKV + s * KV_BYTES, bar_full + 8 * s, producer, warp - 4);
+          cp_async_commit();
+          if (nx + 1 < ntiles) fetch_rows(p, table, k_begin + (nx + 1) * KEYS, k_end, next);
+        }
+      } else if constexpr (TMA) {
         if (producer && nx < ntiles) {
           const uint32_t s = nx & 1;
           if (nx >= STAGES) {  // the slot held tile it-1: released here, refilled when all have
-            if constexpr (COPY == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
+            if constexpr (CLUSTER == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
             else
-              for (int r = 0; r < COPY; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
+              for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
-          issue_tile<COPY>(p, &tmap, table, k_begin + nx * KEYS, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+          issue_tile<CLUSTER>(&tmap, slab_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES, bar_full + 8 * s,
+                              rank);
         }
       } else {
         if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
@@ -392,13 +484,24 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
                                      KEYS * BLOCK_BYTES, 1024));
     }
     wgmma_commit();
+    // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
+    // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
+    // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
+    if constexpr (RUNS) {
+      if (wg == 1 && it + 1 < ntiles && !run) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        named_sync(4, 128);
+        if (producer) mbar_arrive(bar_full + 8 * ((it + 1) & 1));
+      }
+    }
   }
   wgmma_wait<0>();
   reg_fence(o);
   if (tid == 0) VSTAMP(43, clock64());
   cp_async_wait<0>();
   // No CTA of a cluster leaves while another may still arrive on its barriers.
-  if constexpr (COPY > 1) cluster_sync();
+  if constexpr (CLUSTER > 1) cluster_sync();
 
   if (wg == 0 && t == 0) {
     sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
@@ -444,15 +547,15 @@ cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, c
   cfg->dynamicSmemBytes = SMEM_BYTES;
   cfg->stream = st;
   attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = MERGE ? 1 : (COPY > 1 ? COPY : 1);
+  attr->val.clusterDim.x = MERGE ? 1 : copy_cluster(COPY);
   attr->val.clusterDim.y = MERGE ? grid.y : 1;
   attr->val.clusterDim.z = 1;
   cfg->attrs = attr;
-  cfg->numAttrs = MERGE || COPY > 1 ? 1 : 0;
+  cfg->numAttrs = MERGE || copy_cluster(COPY) > 1 ? 1 : 0;
   return e;
 }
 
-// Launches path (COPY, MERGE) (grid.x a multiple of COPY). Each instantiation sits in its
+// Launches path (COPY, MERGE) (grid.x a multiple of copy_cluster(COPY)). Each instantiation sits in its
 // own source file.
 template <int COPY, bool MERGE>
 int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
@@ -469,7 +572,7 @@ template <int COPY, bool MERGE>
 int wgmma_path_wave(int splits, int* ctas) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  const dim3 one(COPY > 1 && !MERGE ? COPY : 1, MERGE ? splits : 1, 1);  // one cluster
+  const dim3 one(MERGE ? 1 : copy_cluster(COPY), MERGE ? splits : 1, 1);  // one cluster
   cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
   if (e != cudaSuccess) return (int)e;
   if (cfg.numAttrs == 0) {
