@@ -1,4 +1,6 @@
 """Issue-7 target verdicts from synthetic rows: met, not met, and not measured."""
+import pathlib
+
 import pandas as pd
 
 from kdtree.harness.targets import MET, NOT_MEASURED, NOT_MET, check_targets
@@ -81,3 +83,27 @@ def test_accept_target_names_each_kernel(tmp_path):
     assert t.status == MET
     assert "from parents: 2/2 points within, max 2.4 us" in t.measured
     assert "list walk: 0/2 points within, max 4.4 us" in t.measured
+
+
+def test_readme_summary_compares_page_sizes(tmp_path):
+    """The README's page-size line: page size 1 against 64 per shape, from the kernel rows,
+    naming the block-table layout (older sets have no column: scattered)."""
+    import shutil
+
+    from kdtree.harness.summary import summary
+
+    ref = pathlib.Path(__file__).resolve().parents[1] / "results" / "reference"
+    v = pd.read_parquet(ref / "verify_attn.parquet")
+    k = v[(v.impl == "kdtree_kernel") & (v.status.fillna("ok") == "ok")]
+    keys = ["heads", "D", "prefix", "batch"]
+    m = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
+    r = m.median_us / m.median_us_64
+    line = (f"Page size 1 (SGLang's pool; block tables: runs) against page size 64 ({len(m)} shapes): "
+            f"{r.min():.2f}-{r.max():.2f}x its time, median {r.median():.2f}x, {int((r <= 1.05).sum())} within 5%.")
+    assert line in summary(ref)
+    for f in ref.glob("*.parquet"):
+        shutil.copy(f, tmp_path / f.name)
+    v.drop(columns=["table_layout"]).to_parquet(tmp_path / "verify_attn.parquet")
+    assert "block tables: scattered" in summary(tmp_path)
+    v[v.page_size == 64].to_parquet(tmp_path / "verify_attn.parquet")
+    assert "Page size 1" not in summary(tmp_path)
