@@ -55,10 +55,11 @@ def main():
         ops.tree_verify(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
                         0.130861, kernel=path, num_splits=1 if path == "auto" else 2)
     # Page size 1 (SGLang's pool): tiles of consecutive rows by TMA, the others by cp.async
-    # (auto), or every tile by cp.async, one page lookup a row (wgmma_cp_async).
+    # (auto; 2 splits of its 24 row tiles merge in clusters), or every tile by cp.async, one
+    # page lookup a row (wgmma_cp_async).
     for layout in ("scattered", "runs", "broken_runs"):
         ones = paged_case([0, 70, 200, 900], 41, 8, 1, seed=5, device="cuda", layout=layout)
-        for path, splits in (("auto", 1), ("auto", 3), ("wgmma_cp_async", 1)):
+        for path, splits in (("auto", 1), ("auto", 2), ("auto", 3), ("wgmma_cp_async", 1)):
             ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
                             kernel=path, num_splits=splits)
     torch.cuda.synchronize()

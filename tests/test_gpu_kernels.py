@@ -658,7 +658,7 @@ def test_hopper_dispatches_to_wgmma(ops):
     assert merge(8, splits=3) == "combine_kernel"  # above 2
     assert merge(7) == "combine_kernel"           # 14 row tiles
     assert merge(1024) == "combine_kernel"        # 2048 clusters
-    assert merge(8, page=32) == "combine_kernel"  # page-slab TMA only
+    assert merge(8, page=32) == "cluster"         # the runs path merges too
     if sms == 132:  # H100/H200 SXM: 66 clusters of 2 fit at once
         assert merge(33) == "cluster"
         assert merge(34) == "combine_kernel"
@@ -737,6 +737,17 @@ def test_verify_attention_tma_runs(ops, layout, prefixes, D, H, page, num_splits
     if torch.cuda.get_device_capability() == (9, 0):
         assert ops.TreeVerifyPlan(len(prefixes), D, H, page, case.block_table.shape[1]).name == "wgmma_tma_runs"
     check_attention(ops, case, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("layout", ["runs", "broken_runs", "scattered"])
+def test_verify_attention_tma_runs_cluster_merge(ops, layout):
+    """The runs path's 2 splits merged in clusters: 4 x 4 row tiles at page size 1, P = 5."""
+    case = paged_case([3000, 5, 1000, 77], 16, 16, 1, seed=9, device=DEV, layout=layout)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132 and \
+            torch.cuda.get_device_capability() == (9, 0):
+        pl = ops.TreeVerifyPlan(4, 16, 16, 1, case.block_table.shape[1], num_splits=2)
+        assert (pl.name, pl.merge) == ("wgmma_tma_runs", "cluster")
+    check_attention(ops, case, num_splits=2)
 
 
 # The cluster merge (Hopper, TMA path, 2 splits, 16 or more row tiles): a partial last

@@ -138,7 +138,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
                 table_layout=layout, **ceilings)
     def kernel_row(impl, kernel):
         pl, t = plan(kernel), timed(kernel)
-        name = "wgmma_tma" if pl.merge == "cluster" else pl.name  # clusters of splits, so no pairs
+        name = pl.name.replace("_x2", "") if pl.merge == "cluster" else pl.name  # split clusters: no pairs
         return dict(base, impl=impl, kernel=name, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
                     num_splits=pl.num_splits, split_merge=pl.merge, **t)

@@ -88,21 +88,24 @@ int copy_path(int R, int page_size, int64_t rows, int path) {
   return KD_VERIFY_MULTICAST && row_tiles >= PAIRS_FROM_ROW_TILES && row_tiles % 2 == 0 ? 2 : 1;
 }
 
-// Clusters of `splits` CTAs (MERGE) resident at once on device `dev`, asked once per
-// device and size (kept plus one: static zeros mean not asked). A failed query gives 0,
-// so that launch does not merge, and is asked again next time.
-int merge_clusters(int dev, int splits) {
+// Clusters of `splits` CTAs (MERGE) of copy path `copy` (1 or COPY_RUNS) resident at once on
+// device `dev`, asked once per device, path and size (kept plus one: static zeros mean not
+// asked). A failed query gives 0, so that launch does not merge, and is asked again next time.
+int merge_clusters(int dev, int copy, int splits) {
   constexpr int DEVICES = 64;
-  static std::atomic<int> known[DEVICES][WGMMA_MERGE_MAX_SPLITS + 1];
+  static std::atomic<int> known[DEVICES][2][WGMMA_MERGE_MAX_SPLITS + 1];
   if (dev < 0 || dev >= DEVICES) return 0;
-  const int kept = known[dev][splits].load(std::memory_order_relaxed);
+  std::atomic<int>& k = known[dev][copy == COPY_RUNS][splits];
+  const int kept = k.load(std::memory_order_relaxed);
   if (kept > 0) return kept - 1;
   int ctas = 0;
-  if (verify_wgmma_path_wave<1, true>(splits, &ctas) != 0) {
+  const int rc = copy == COPY_RUNS ? verify_wgmma_path_wave<COPY_RUNS, true>(splits, &ctas)
+                                   : verify_wgmma_path_wave<1, true>(splits, &ctas);
+  if (rc != 0) {
     cudaGetLastError();  // leaves no error behind for the caller's next check
     return 0;
   }
-  known[dev][splits].store(ctas / splits + 1, std::memory_order_relaxed);
+  k.store(ctas / splits + 1, std::memory_order_relaxed);
   return ctas / splits;
 }
 
@@ -122,12 +125,12 @@ int verify_wgmma_wave(int copy, int* ctas) {
 bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
   const int copy = copy_path(R, page_size, 0, path);
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
-      copy == COPY_CP_ASYNC || copy == COPY_RUNS)  // the merge runs on page-slab TMA only
+      copy == COPY_CP_ASYNC)
     return false;
   const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
   int dev = 0;
   if (row_tiles < WGMMA_MERGE_MIN_ROW_TILES || cudaGetDevice(&dev) != cudaSuccess) return false;
-  return row_tiles <= merge_clusters(dev, num_splits);
+  return row_tiles <= merge_clusters(dev, copy, num_splits);
 }
 
 // The plan's copy path, unless the cache is too large for a tensor map or its map cannot be
@@ -137,7 +140,9 @@ int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy,
   if (copy != COPY_CP_ASYNC && ((int64_t)p.num_pages * p.page_size >= (int64_t{1} << 31) || !kv_map(p, &map)))
     copy = COPY_CP_ASYNC;
   *merged = copy != COPY_CP_ASYNC && merge;
-  if (*merged) return launch_verify_wgmma_path<1, true>(p, map, B, st);
+  if (*merged)
+    return copy == COPY_RUNS ? launch_verify_wgmma_path<COPY_RUNS, true>(p, map, B, st)
+                             : launch_verify_wgmma_path<1, true>(p, map, B, st);
   switch (copy) {
     case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
     case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);

@@ -225,11 +225,12 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
 
 // COPY: COPY_CP_ASYNC, the TMA cluster size (1, 2; launched with that cluster shape), or
 // COPY_RUNS (TMA or cp.async tile by tile, no cluster).
-// MERGE: the splits of a row tile are one cluster (1 x num_splits) and merge in it.
+// MERGE (COPY 1 or COPY_RUNS): the splits of a row tile are one cluster (1 x num_splits) and
+// merge in it.
 template <int COPY, bool MERGE>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
-  static_assert(!MERGE || COPY == 1, "the merge's clusters run on the TMA path without multicast");
+  static_assert(!MERGE || COPY == 1 || COPY == COPY_RUNS, "the merge's clusters run on TMA without multicast");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool TMA = COPY != COPY_CP_ASYNC;  // the mbarrier pipeline (RUNS included)
   constexpr bool RUNS = COPY == COPY_RUNS;

@@ -33,7 +33,7 @@ constexpr int WGMMA_MERGE_MIN_ROW_TILES = 16;
 
 // Launches path (COPY, MERGE) over the grid (row tiles, splits, B); a TMA path reads the
 // cache through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of copy_cluster(COPY).
-// MERGE (COPY 1 only): the splits of a row tile merge in their cluster, writing out and
+// MERGE (COPY 1 or COPY_RUNS): the splits of a row tile merge in their cluster, writing out and
 // lse themselves (no combine kernel follows).
 template <int COPY, bool MERGE>
 int launch_verify_wgmma_path(const VerifyParams& p, const CUtensorMap& kv_map, int B, cudaStream_t st);
