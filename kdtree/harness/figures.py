@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .results import ok_rows  # noqa: E402
+from .results import flashmla_ratio, ok_rows  # noqa: E402
 from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
 from .targets import ACCEPT_TARGET_US  # noqa: E402
 
@@ -97,6 +97,8 @@ def verify_attn(df: pd.DataFrame, path):
         return _placeholder(path, "Tree-verify attention", "no measured rows")
     d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
     peer = flashmla_ratio(d)
+    if peer is not None:
+        peer = peer.assign(batch=peer.batch.astype(str))  # batches as categories
     fig, axes = plt.subplots(2 + (peer is not None), 1, figsize=(11, 9.5 + 4.2 * (peer is not None)))
     k = d[d.impl == "kdtree_kernel"]
     sns.scatterplot(k, x="floor_us", y="median_us", hue="shape", style="batch", s=60, ax=axes[0])
@@ -121,16 +123,6 @@ def verify_attn(df: pd.DataFrame, path):
     fig.suptitle(f"MLA tree-verify attention, bf16 ({_gpu_label(df)})")
     fig.tight_layout()
     _save(fig, path)
-
-
-def flashmla_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
-    """FlashMLA's time over kdtree's per point (same run and inputs), or None without FlashMLA rows."""
-    fm = d[d.impl == "flashmla"]
-    if fm.empty:
-        return None
-    keys = ["heads", "D", "prefix", "batch", "page_size"]
-    m = d[d.impl == "kdtree_kernel"].merge(fm[keys + ["median_us"]], on=keys, suffixes=("", "_fm"))
-    return m.assign(ratio=m.median_us_fm / m.median_us, batch=m.batch.astype(str))
 
 
 ACCEPT_IMPLS = {"cpu_walk": "CPU walk (reference)", "gpu_kernel": "GPU kernel, from the links",

@@ -6,7 +6,7 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
-from .results import read_ok_rows, write_text_atomic
+from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, write_text_atomic
 from .targets import check_targets
 
 
@@ -121,14 +121,12 @@ def worker_round_section(d: pd.DataFrame) -> list[str]:
 
 def flashmla_section(d: pd.DataFrame) -> list[str]:
     """kdtree (tree mask) against FlashMLA (chain mask) per shape, same run and inputs."""
-    keys = ["heads", "D", "prefix", "batch", "page_size"]
-    fm = d[d.impl == "flashmla"]
-    if fm.empty:
+    m = flashmla_ratio(d)
+    if m is None:
         return []
-    kd = d[d.impl == "kdtree_kernel"]
-    t = kd[keys + ["median_us"]].merge(fm[keys + ["median_us"]], on=keys, suffixes=("_kdtree", "_flashmla"))
-    t["kdtree speed / FlashMLA's"] = t.median_us_flashmla / t.median_us_kdtree
+    t = m[VERIFY_KEYS + ["median_us", "median_us_fm", "ratio"]].rename(columns={
+        "median_us": "median_us_kdtree", "median_us_fm": "median_us_flashmla", "ratio": "kdtree speed / FlashMLA's"})
     return ["## kdtree against FlashMLA (same run, same inputs)", "",
             "FlashMLA's dense bf16 decode (`use_legacy=True`) takes a causal chain mask, kdtree a random tree "
             "mask; both read the same paged cache (page size 64). Above 1: kdtree is faster.", "",
-            _md(t.sort_values(keys)), ""]
+            _md(t.sort_values(VERIFY_KEYS)), ""]

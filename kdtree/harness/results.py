@@ -92,3 +92,18 @@ class ResumableSweep:
         write_parquet_atomic(df, self.out)
         self.partial.unlink(missing_ok=True)
         return df
+
+
+VERIFY_KEYS = ["heads", "D", "prefix", "batch", "page_size"]
+
+
+def flashmla_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
+    """kdtree's verify rows joined with FlashMLA's on the same shapes (same run and inputs):
+    ``median_us`` kdtree's, ``median_us_fm`` FlashMLA's, ``ratio`` FlashMLA's time over
+    kdtree's; None without FlashMLA rows."""
+    fm = d[d.impl == "flashmla"]
+    if fm.empty:
+        return None
+    m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us"]], on=VERIFY_KEYS, suffixes=("", "_fm"))
+    return m.assign(ratio=m.median_us_fm / m.median_us)
+

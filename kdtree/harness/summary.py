@@ -7,7 +7,7 @@ import pathlib
 
 import pandas as pd
 
-from .results import read_ok_rows
+from .results import flashmla_ratio, read_ok_rows
 from .targets import check_targets
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -44,10 +44,9 @@ def summary(results_dir) -> str:
             lines += ["SGLang's DDTree round on the CPU (as the worker runs it) against the `kdtree.sglang` "
                       "drop-in in one CUDA graph: " + "; ".join(said) + ".", ""]
     v = read_ok_rows(rd / "verify_attn.parquet")
-    if v is not None and (v.impl == "flashmla").any():
-        keys = ["heads", "D", "prefix", "batch", "page_size"]
-        m = v[v.impl == "kdtree_kernel"].merge(v[v.impl == "flashmla"], on=keys, suffixes=("", "_fm"))
-        ratio = m.median_us_fm / m.median_us
+    m = flashmla_ratio(v) if v is not None else None
+    if m is not None:
+        ratio = m.ratio
         lines += [f"Verify attention against FlashMLA's dense decode on the same inputs ({len(m)} shapes, "
                   f"page size 64): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
