@@ -74,20 +74,30 @@ __device__ __forceinline__ float4 ld_cluster_f32x4(uint32_t addr, uint32_t rank)
   return v;
 }
 
+// The L2 policy of streamed data: evict first, as each key byte is read once a CTA (or a
+// cluster) and should not push out what other CTAs are still reading.
+__device__ __forceinline__ uint64_t l2_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+
 // A box of the 2-D tensor map at element coordinates (x inner, y outer) into shared
-// memory at `dst`, signalling `bar`. With a mask, the box lands at the same offsets in
-// every CTA of the cluster named by a bit (dst and bar included).
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int x, int y, uint32_t bar) {
+// memory at `dst`, signalling `bar`, under L2 policy `policy`. With a mask, the box lands
+// at the same offsets in every CTA of the cluster named by a bit (dst and bar included).
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int x, int y, uint32_t bar,
+                                            uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar) : "memory");
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;\n"
+      ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "l"(policy) : "memory");
 }
 __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* tmap, int x, int y,
-                                                      uint32_t bar, uint16_t mask) {
+                                                      uint32_t bar, uint16_t mask, uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n"
-      ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "h"(mask) : "memory");
+      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n"
+      ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "h"(mask), "l"(policy) : "memory");
 }
 
 }  // namespace kd

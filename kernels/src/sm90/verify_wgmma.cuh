@@ -100,16 +100,18 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
 // cache rows y..y+63 (one slab of one page, or a run of rows) into slot `slot` of every CTA
 // of the cluster. Column block c goes from CTA rank c % COPY; each CTA's FULL barrier
 // expects the whole tile.
+// Keys are streamed with L2 evict-first (docs/kernels/verify_attention.md, v12).
 template <int COPY>
 __device__ __forceinline__ void issue_tile(const CUtensorMap* tmap, int y, uint32_t slot, uint32_t full,
                                            uint32_t rank) {
+  const uint64_t policy = l2_evict_first();
   mbar_arrive_expect_tx(full, KV_BYTES);
 #pragma unroll
   for (int c = 0; c < QK_DIM / 64; ++c) {
     if (c % COPY != (int)rank) continue;
     const uint32_t dst = slot + c * KEYS * BLOCK_BYTES;
-    if constexpr (COPY == 1) tma_load_2d(dst, tmap, c * 64, y, full);
-    else tma_load_2d_multicast(dst, tmap, c * 64, y, full, (uint16_t)((1u << COPY) - 1));
+    if constexpr (COPY == 1) tma_load_2d(dst, tmap, c * 64, y, full, policy);
+    else tma_load_2d_multicast(dst, tmap, c * 64, y, full, (uint16_t)((1u << COPY) - 1), policy);
   }
 }
 
