@@ -74,6 +74,18 @@ def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tree_build_sweep_caps_topk(tmp_path):
+    """max_topk caps K below the budget (issue 29's K = min(budget, 256)); rows record K."""
+    cfg = {"batches": [2], "budgets": [4, 16], "L": 4, "vocab": 300, "seed": 0, "cpu_reps": 1,
+           "cpu_max_seconds": 1, "gpu_replays": 2, "gpu_mem_cap_gb": 1}
+    capped = tree_build.run(dict(cfg, max_topk=8), tmp_path / "capped.parquet", gpu=False)
+    plain = tree_build.run(dict(cfg, max_topk=None), tmp_path / "plain.parquet", gpu=False)
+    for df, want in ((capped, {4: 4, 16: 8}), (plain, {4: 4, 16: 16})):
+        cpu = df[df.impl == "cpu_heapq"]
+        assert (cpu.status == "ok").all()
+        assert dict(zip(cpu.budget, cpu.topk)) == want
+
+
 def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
     cfg_tb = {"batches": [1, 2], "budgets": [4, 16], "L": 4, "vocab": 300, "seed": 0, "cpu_reps": 1,
               "cpu_max_seconds": 1, "gpu_replays": 2, "gpu_mem_cap_gb": 1}

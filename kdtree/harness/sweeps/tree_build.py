@@ -28,7 +28,10 @@ def sglang_builder():
 
 def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     B, budget, L, V = p["batch"], p["budget"], cfg["L"], cfg["vocab"]
-    lp, ids = stage_a_inputs(B, L, V, budget, seed=cfg["seed"] + B * 7919 + budget)
+    # K = min(budget, vocab, max_topk): a drafter's top-k is often capped below the budget
+    topk = min(budget, V, cfg.get("max_topk") or budget)
+    lp, ids = stage_a_inputs(B, L, V, topk, seed=cfg["seed"] + B * 7919 + budget)
+    p = dict(p, topk=lp.shape[-1])
     lp_np, ids_np = lp.numpy(), ids.numpy()
     rows = []
     checked = [_check_stage_b(lp_np[b], ids_np[b], budget) for b in range(B)]  # once, outside the timing
