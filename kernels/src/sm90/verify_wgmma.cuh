@@ -99,8 +99,8 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
 // TMA path, one thread of warpgroup 1: this CTA's share of the key tile whose 64 keys are
 // cache rows y..y+63 (one slab of one page, or a run of rows) into slot `slot` of every CTA
 // of the cluster. Column block c goes from CTA rank c % COPY; each CTA's FULL barrier
-// expects the whole tile.
-// Keys are streamed with L2 evict-first (docs/kernels/verify_attention.md, v12).
+// expects the whole tile. Keys go with an L2 evict-first hint: each is read once a CTA or
+// pair (docs/kernels/verify_attention.md, v12).
 template <int COPY>
 __device__ __forceinline__ void issue_tile(const CUtensorMap* tmap, int y, uint32_t slot, uint32_t full,
                                            uint32_t rank) {
