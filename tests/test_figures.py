@@ -70,6 +70,15 @@ def test_a_cpu_only_build_figure_has_one_panel(captured):
     check_readable(fig)
 
 
+def test_report_numbers_never_print_in_float_notation():
+    """Whole digits from 10**sig on, including values that round up to it (999.6 at 3
+    digits printed as 1e+03 in the reference report)."""
+    from kdtree.harness.report import _num
+    assert [_num(v, 3) for v in (999.6, 999.4, 29500.4, 12.345, 0.5, 1024.0)] == \
+        ["1000", "999", "29500", "12.3", "0.5", "1024"]
+    assert _num(9999.7, 4) == "10000" and _num(float("nan"), 3) == ""
+
+
 def test_report_prints_counts_as_integers_and_explains_follow(tmp_path):
     text = render(REF, tmp_path / "report.md")
     assert "e+0" not in text                       # no 1.02e+03 budgets, no 2.95e+04 us

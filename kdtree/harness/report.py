@@ -19,7 +19,8 @@ def _num(v, sig: int) -> str:
     f = float(v)
     if f.is_integer() and abs(f) < 1e15:
         return str(int(f))
-    return f"{f:.0f}" if abs(f) >= 10 ** sig else f"{f:.{sig}g}"
+    s = f"{f:.{sig}g}"
+    return f"{f:.0f}" if "e+" in s else s  # 999.6 rounds up to 1e+03 at 3 digits
 
 
 def _md(df: pd.DataFrame, floatfmt=".3g") -> str:
