@@ -176,11 +176,6 @@ __device__ __forceinline__ void request_tile(const VerifyParams& p, const CUtens
   else if (producer) issue_tile<1>(tmap, y, slot, full, 0);
 }
 
-// The first row of a tile that lies in one page (page sizes that are multiples of 64).
-__device__ __forceinline__ int slab_row(const VerifyParams& p, const int32_t* table, int k0) {
-  return table[k0 / p.page_size] * p.page_size + k0 % p.page_size;
-}
-
 // The merge of a cluster's S splits (the MERGE epilogue): this CTA (split = cluster rank
 // `rank`) takes rows rank, rank + S, ... of the tile, a warp a row at a time, lane l
 // columns 4l + 128i. The weights are exp2(m_s - M) / L with M the rows' largest max and
@@ -283,7 +278,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         request_tile(p, &tmap, rows, run, y, sKV, bar_full, producer, warp - 4);
       }
     } else if (producer && ntiles > 0) {
-      issue_tile<CLUSTER>(&tmap, slab_row(p, table, k_begin), sKV, bar_full, rank);
+      issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin), sKV, bar_full, rank);
     }
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
@@ -460,7 +455,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
               for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
-          issue_tile<CLUSTER>(&tmap, slab_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES, bar_full + 8 * s,
+          issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES, bar_full + 8 * s,
                               rank);
         }
       } else {
