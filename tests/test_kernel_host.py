@@ -287,6 +287,21 @@ def test_threshold_selection_on_sweep_inputs(lib, budget):
     assert max(raises) <= 6
 
 
+@pytest.mark.parametrize("budget,K", [(1024, 256), (256, 64)])
+def test_threshold_selection_with_top_k_below_the_budget(lib, budget, K):
+    """A drafter's top-k below the budget: the first tau then comes from the one-deviation
+    nodes (deviation_bound), which keeps tau raises to a median of one (the chain's nodes
+    alone left a median of two to three); every tree is still the heap's."""
+    lp, ids = stage_a_inputs(16, 15, 8192, K, seed=11 * budget + K)
+    raises = []
+    for b in range(16):
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        if n >= 0:
+            assert n == budget
+            raises.append(int(stats[0]))
+    assert len(raises) >= 15 and np.median(raises) <= 1, raises
+
+
 def test_threshold_selection_raises_at_small_budgets(lib):
     """Budget 64 (a node buffer of 128): tau raises happen on these sweep-like inputs even
     from the chain bound, and the trees stay the heap's."""

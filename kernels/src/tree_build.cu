@@ -113,6 +113,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   uint64_t* s_keys = !use_keys ? nullptr
                      : threshold ? reinterpret_cast<uint64_t*>(ts.items) : reinterpret_cast<uint64_t*>(s_dyn);
   float* s_lp = threshold ? ts.lp : reinterpret_cast<float*>(s_dyn + (use_keys ? (size_t)D * KEY_WORDS * 8 : 0));
+  const int s_ld = threshold ? ts.ld : lp_ld;  // row stride of s_lp (ts_stride: odd)
   const Selection sel{s_overflow, s_nodes, s_keys, s_links[0], s_links[1], s_links[2]};
 
   const float* lp = top_lp + (size_t)b * L * K;
@@ -140,7 +141,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int k = 0; k < 4; ++k) {
         bad |= (e[k] != e[k]) || (e[k] == INFINITY);
         const float c = fmaxf(e[k], clamp_floor);
-        if (r + k < lp_ld) s_lp[d * lp_ld + r + k] = c;
+        if (r + k < lp_ld) s_lp[d * s_ld + r + k] = c;
         uncertified |= r + k < keff && !(c <= prev);
         prev = c;
       }
@@ -152,7 +153,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       bad |= (v != v) || (v == INFINITY);
       const int d = i / K, r = i - d * K;
       const float c = fmaxf(v, clamp_floor);
-      if (r < lp_ld) s_lp[d * lp_ld + r] = c;
+      if (r < lp_ld) s_lp[d * s_ld + r] = c;
       if (r < keff) uncertified |= !(c <= (r == 0 ? 0.0f : fmaxf(lp[i - 1], clamp_floor)));
     }
   }
@@ -167,15 +168,17 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau (chain_bound, ~4k cycles) only where some request of the batch
-  // would likely raise tau otherwise: from batch 64, from batch 16 at budget >= 64, from
-  // batch 4 at budget 1024 (the gate's A/Bs: docs/kernels/tree_build.md, v3e and v3f).
+  // A tighter first tau (deviation_bound) where the plain start lies far below the
+  // budget-th score (K < budget: the start is then a sum of each depth's K-th log-prob) or
+  // some request of the batch would likely raise tau: from batch 64, from batch 16 at
+  // budget >= 64, from batch 4 at budget 1024 (docs/kernels/tree_build.md, v3e, v3f and
+  // session 21).
   const int batch = gridDim.x;
 #ifndef KD_CHAIN_GATE
 #define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always
 #endif
   const bool chain_start = KD_CHAIN_GATE == 2 ||
-                           (KD_CHAIN_GATE == 1 && (batch >= 64 || (batch >= 16 && budget >= 64) ||
+                           (KD_CHAIN_GATE == 1 && (keff < budget || batch >= 64 || (batch >= 16 && budget >= 64) ||
                                                    (batch >= 4 && budget >= 1024)));
   if (threshold && !uncertified)
     n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, chain_start);
@@ -416,9 +419,9 @@ extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int b
     for (int r = 0; r < keff; ++r) {
       const float v = top_lp[(size_t)d * K + r];
       const float c = v == -INFINITY ? kd::NEG_INF_FLOOR : v;
-      const float prev = r == 0 ? 0.0f : t.lp[d * ld + r - 1];
+      const float prev = r == 0 ? 0.0f : t.lp[d * t.ld + r - 1];
       if (v != v || v == INFINITY || !(c <= prev)) return -2;
-      t.lp[d * ld + r] = c;
+      t.lp[d * t.ld + r] = c;
     }
   const int D = (budget > 0 ? budget : 0) + 1;
   std::vector<uint32_t> nodes(D, kd::pack_node(0, 0, 0));

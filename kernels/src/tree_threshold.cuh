@@ -88,8 +88,13 @@ struct Threshold {
   int cap;            // node buffer size
 };
 
+// Row stride of the staged log-probs for `ld` ranks: odd, so that the rows' same rank falls
+// in different shared-memory banks (the start bound reads one rank of every row at once;
+// a stride of 256 put them all in one bank, 32-way conflicts).
+KD_HD int ts_stride(int ld) { return ld | 1; }
+
 KD_HD size_t ts_smem_bytes(int L, int ld, int cap) {
-  const size_t lp = (size_t)L * ld * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
+  const size_t lp = (size_t)L * ts_stride(ld) * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
   const size_t a = ((lp > keys ? lp : keys) + 15) & ~(size_t)15;
   return a + (size_t)cap * (sizeof(SortItem) + 8 + 4) + (size_t)(cap + 1) * 4 + TS_SCRATCH_INTS * 4 + 16;
 }
@@ -97,7 +102,7 @@ KD_HD size_t ts_smem_bytes(int L, int ld, int cap) {
 // Carve the views out of one 16-byte aligned block.
 KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   Threshold t;
-  const size_t lp = (size_t)L * ld * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
+  const size_t lp = (size_t)L * ts_stride(ld) * sizeof(float), keys = (size_t)cap * KEY_WORDS * 8;
   const size_t a = ((lp > keys ? lp : keys) + 15) & ~(size_t)15;
   t.lp = reinterpret_cast<float*>(base);
   t.keys = reinterpret_cast<uint64_t*>(base);
@@ -108,7 +113,7 @@ KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   t.meta = reinterpret_cast<uint32_t*>(base + sc + (size_t)cap * 8 + 16);
   t.pos = reinterpret_cast<int*>(base + sc + (size_t)cap * 12 + 16);
   t.scratch = t.pos + cap + 1;
-  t.ld = ld;
+  t.ld = ts_stride(ld);
   t.cap = cap;
   return t;
 }
@@ -151,6 +156,13 @@ KD_HD double from_order_key(unsigned long long u) {
   memcpy(&x, &u, 8);
   return x;
 #endif
+}
+
+// The bin of a score s >= lo among nb linear bins over [lo, lo + nb / scale]: monotone in s
+// (each rounding step is), so a higher bin holds only higher scores.
+KD_HD int score_bin(double s, double lo, double scale, int nb) {
+  const double v = (s - lo) * scale;
+  return v >= (double)(nb - 1) ? nb - 1 : (int)v;
 }
 
 KD_HD int smem_add(int* p, int v) {
@@ -554,6 +566,60 @@ __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
   __syncthreads();
 }
 
+// rank_count's places for any m <= cap, by buckets: the candidates go into nb linear score
+// bins, best bin first (a histogram, its scan, a scatter of each bin's members), and a node's
+// place is its bin's start plus the members of its own bin that are better (the same
+// branch-free compare). Work is m times the mean bin size (~15 on sweep inputs; bins of
+// exact ties hold a few hundred), not the merge sort's log^2 m dependent rounds. Scratch
+// over t.items (dead until the host-style emit): start and fill [nb = cap], members [m].
+#ifndef KD_BUCKET_MAX
+#define KD_BUCKET_MAX 64
+#endif
+constexpr int BUCKET_MAX = KD_BUCKET_MAX;
+
+__device__ bool bucket_rank(const Threshold& t, int m, double tau, int tid, int nthreads) {
+  const int nb = t.cap;
+  int* start = reinterpret_cast<int*>(t.items);
+  int* fill = start + nb;
+  int* members = fill + nb;
+  const double lo = tau, hi = t.score[1];  // node 1 (0^1) scores highest: rows are sorted
+  const double scale = hi > lo ? (double)nb / (hi - lo) : 0.0;
+  for (int i = tid; i < nb; i += nthreads) { start[i] = 0; fill[i] = 0; }
+  __syncthreads();
+  for (int e = tid; e < m; e += nthreads)
+    atomicAdd(&start[nb - 1 - score_bin(t.score[e + 1], lo, scale, nb)], 1);
+  __syncthreads();
+  // A bin of more than BUCKET_MAX (exact ties, mostly) would cost its size squared: decline,
+  // and the caller merge-sorts instead.
+  bool big = false;
+  for (int i = tid; i < nb; i += nthreads) big |= start[i] > BUCKET_MAX;
+  if (__syncthreads_or(big)) return false;
+  block_exclusive_scan(start, nb, t.scratch, tid, nthreads);
+  for (int e = tid; e < m; e += nthreads) {
+    const int bin = nb - 1 - score_bin(t.score[e + 1], lo, scale, nb);
+    members[start[bin] + atomicAdd(&fill[bin], 1)] = e + 1;
+  }
+  __syncthreads();
+  for (int e = tid; e < m; e += nthreads) {
+    const int bin = nb - 1 - score_bin(t.score[e + 1], lo, scale, nb);
+    const uint64_t u = score_key(t.score[e + 1]);
+    const uint64_t* k = t.keys + (size_t)(e + 1) * KEY_WORDS;
+    const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+    const int b0 = start[bin], b1 = b0 + fill[bin];
+    int better = 0;
+#pragma unroll 4
+    for (int q = b0; q < b1; ++q) {
+      const int j = members[q];
+      const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
+      const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS + 2);
+      better += key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
+    }
+    t.pos[e] = b0 + better;
+  }
+  __syncthreads();
+  return true;
+}
+
 // The pops straight from rank_count's places: node i = e + 1 is pop t.pos[e] + 1 where
 // that place is < n. One pass over the nodes writes out.nodes and the links and checks the
 // certificate's last conditions (exact sums, parents popped); no sorted list is laid out
@@ -675,44 +741,185 @@ KD_HD bool block_any(bool x) {
 }
 
 // A start for tau at least as high as `tau` (itself a lower bound of the budget-th best
-// score): the highest of a few pivots x for which the nodes 0^d r (the first-child chain
-// to depth d, then rank r at depth d + 1; real nodes, scores computed as the heap does)
-// number >= budget. The budget-th best of any set of tree nodes is <= the tree's, so x is
-// a lower bound too. Two rounds of CHAIN_PIVOTS pivots narrow [tau, lp[0][0]] 17-fold
-// each. On sweep-like inputs this cuts the requests whose first enumeration overflows
-// (and takes a raise) 2-3x: worth it where the slowest of many requests sets the time, or
-// raises are frequent and dear (budget >= 256); the caller decides (docs/kernels/tree_build.md). An
-// exact budget-th best of the L * keff chain nodes by radix passes cost 5-14k cycles more.
-// Device: every warp holds the chain scores in registers (lane d: node 0^d, the heap's
-// sums in the heap's order) and computes its own pivot, so a round is one barrier (the
-// counts), not three with the chain summed on one thread (docs/kernels/tree_build.md, v3h-b).
-constexpr int CHAIN_PIVOTS = 16;
+// score) from the nodes with at most one deviation from the first-child chain: 0^a r 0^b
+// (any a, b; r >= 1) and the chain 0^d itself. The budget-th best of any set of tree nodes
+// is <= the tree's, so a threshold that this set reaches `budget` times is a lower bound.
+// The chain's own 0^d r alone sat at 0.25-0.75 x the budget above the budget-th score
+// where K < budget (docs/kernels/tree_build.md, session 21); one deviation anywhere comes
+// far closer. Counting is approximate and then made safe: node 0^a r 0^b scores about
+// chain(a) + lp[a][r] + (chain(a+b+1) - chain(a+1)) (chain(d): the heap's sum to 0^d), so
+// for a pivot x each pair (a, b) is one binary search over row a for lp >= x - that sum,
+// no adds inside. Every term is <= 0 and smaller in size than the node's score, so the
+// approximation is within (3 L + 8) ulps of |x| of the heap's exact score: the pivot found
+// is lowered by START_MARGIN |x| (2^-44, well above that for L <= 16) before it is used.
+// Rounds of START_PIVOTS pivots narrow [tau, lp[0][0]] 17-fold each. Device: warp w counts
+// pivot w (lanes over the (a, b) pairs, each lane's pairs in registers), one barrier a round.
+constexpr int START_PIVOTS = 16;
+constexpr int START_SLOTS = 5;  // pairs a lane holds: L (L + 1) / 2 <= 136 = 32 x 4.25
+constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
+#ifndef KD_START_ROUNDS
+#define KD_START_ROUNDS 3
+#endif
 
-// Pivot k (1 .. CHAIN_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
-// contraction): the bound returned must be exactly a pivot that was counted.
-KD_HD double chain_pivot(double lo, double hi, int k) {
+// Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed.
+KD_HD double start_pivot(double lo, double hi, int k) {
 #ifdef __CUDA_ARCH__
-  return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), __dmul_rn((double)k, 1.0 / (CHAIN_PIVOTS + 1))));
+  return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), __dmul_rn((double)k, 1.0 / (START_PIVOTS + 1))));
 #else
-  return lo + (hi - lo) * ((double)k * (1.0 / (CHAIN_PIVOTS + 1)));
+  return lo + (hi - lo) * ((double)k * (1.0 / (START_PIVOTS + 1)));
 #endif
 }
 
 // A round's step: [lo, hi] := between the highest pivot whose count holds `budget` and
 // the next one (counts fall as pivots rise).
-KD_HD void chain_narrow(const int* cnt, int budget, double* lo, double* hi) {
+KD_HD void start_narrow(const int* cnt, int budget, double* lo, double* hi) {
   int best = -1;
-  for (int v = 0; v < CHAIN_PIVOTS; ++v)
+  for (int v = 0; v < START_PIVOTS; ++v)
     if (cnt[v] >= budget) best = v;
-  const double nlo = best >= 0 ? chain_pivot(*lo, *hi, best + 1) : *lo;
-  if (best + 1 < CHAIN_PIVOTS) *hi = chain_pivot(*lo, *hi, best + 2);
+  const double nlo = best >= 0 ? start_pivot(*lo, *hi, best + 1) : *lo;
+  if (best + 1 < START_PIVOTS) *hi = start_pivot(*lo, *hi, best + 2);
   *lo = nlo;
 }
 
+// Pair q of (a, b), by its deepest depth e = a + b: q = e (e + 1) / 2 + a (q < 136: the
+// float square root of 8 q + 1 is exact where it is a whole number).
+KD_HD void dev_pair(int q, int* a, int* b) {
+  int e = (int)((sqrtf((float)(8 * q + 1)) - 1.0f) * 0.5f);
+  if ((e + 1) * (e + 2) / 2 <= q) ++e;  // guard the rounding either way
+  if (e * (e + 1) / 2 > q) --e;
+  *a = q - e * (e + 1) / 2;
+  *b = e - *a;
+}
+
+// The least float >= y: for a float v, v >= y exactly when v >= it.
+KD_HD float float_at_or_above(double y) {
+#ifdef __CUDA_ARCH__
+  return __double2float_ru(y);
+#else
+  float f = (float)y;
+  if ((double)f < y) f = nextafterf(f, INFINITY);
+  return f;
+#endif
+}
+
+// How many r in [1, keff) of a sorted row have row[r] >= y (yf = float_at_or_above(y)):
+// a branch-free search in power-of-two steps (top: the highest power of two <= keff - 1),
+// so that a lane's searches can be interleaved.
+KD_HD int dev_count(const float* row, int keff, int top, float yf) {
+  int count = 0;
+  for (int step = top; step > 0; step >>= 1) {
+    const int r = count + step;
+    if (r < keff && row[r < keff ? r : keff - 1] >= yf) count = r;
+  }
+  return count;
+}
+
+// The bound from the last pivot that held: lowered by the margin, and never below tau.
+KD_HD double start_safe(double lo, double tau) {
+  const double x = lo - 2.0 * START_MARGIN * (lo < 0 ? -lo : lo);
+  return x > tau ? x : tau;
+}
+
+#ifdef __CUDA_ARCH__
+__device__ double deviation_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                         int nthreads) {
+  double lo = tau, hi = (double)t.lp[0];
+  if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
+  const int lane = tid & 31, w = tid >> 5, np = L * (L + 1) / 2;
+  int top = 1;
+  while (2 * top <= keff - 1) top <<= 1;
+  // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
+  double c = 0.0, acc = 0.0;
+#pragma unroll
+  for (int d = 0; d <= KEY_DEPTH; ++d) {
+    if (d == lane) c = acc;
+    if (d < L) acc = KD_DADD(acc, (double)t.lp[d * t.ld]);
+  }
+  // This lane's pairs: row a and the approximate sum around lp[a][r].
+  int row_of[START_SLOTS];
+  double around[START_SLOTS];
+#pragma unroll
+  for (int k = 0; k < START_SLOTS; ++k) {
+    const int q = lane + 32 * k;
+    int a = 0, b = 0;
+    if (q < np) dev_pair(q, &a, &b);
+    const double ca = __shfl_sync(FULL_MASK, c, a), c1 = __shfl_sync(FULL_MASK, c, a + 1);
+    const double cb = __shfl_sync(FULL_MASK, c, a + b + 1);
+    row_of[k] = q < np ? a : -1;
+    around[k] = ca + (cb - c1);
+  }
+  KD_PROF(16);
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int* cnt = t.scratch + (round & 1) * START_PIVOTS;  // alternate: no barrier before the next writes
+    if (w < START_PIVOTS) {
+      const double x = start_pivot(lo, hi, w + 1);
+      int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
+      // dev_count over the lane's slots, steps outside: the slots' loads go out together.
+      int count[START_SLOTS];
+      float yf[START_SLOTS];
+#pragma unroll
+      for (int k = 0; k < START_SLOTS; ++k) { count[k] = 0; yf[k] = float_at_or_above(x - around[k]); }
+      for (int step = top; step > 0; step >>= 1)
+#pragma unroll
+        for (int k = 0; k < START_SLOTS; ++k) {
+          const int r = count[k] + step;
+          if (row_of[k] >= 0 && r < keff && t.lp[row_of[k] * t.ld + (r < keff ? r : keff - 1)] >= yf[k]) count[k] = r;
+        }
+#pragma unroll
+      for (int k = 0; k < START_SLOTS; ++k) n += count[k];
+      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
+      if (lane == 0) cnt[w] = n;
+    }
+    KD_PROF(17 + round);
+    __syncthreads();
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  return start_safe(lo, tau);
+}
+#endif
+
+// Host twin: the same sums, pivots and counts, one thread.
+inline double deviation_bound_host(const Threshold& t, int L, int keff, int budget, double tau) {
+  double lo = tau, hi = (double)t.lp[0];
+  double cs[KEY_DEPTH + 1];  // L <= KEY_DEPTH on this path
+  cs[0] = 0.0;
+  for (int d = 0; d < L; ++d) cs[d + 1] = KD_DADD(cs[d], (double)t.lp[d * t.ld]);
+  const int np = L * (L + 1) / 2;
+  int top = 1;
+  while (2 * top <= keff - 1) top <<= 1;
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int cnt[START_PIVOTS];
+    for (int v = 0; v < START_PIVOTS; ++v) {
+      const double x = start_pivot(lo, hi, v + 1);
+      cnt[v] = 0;
+      for (int d = 1; d <= L; ++d) cnt[v] += cs[d] >= x;
+      for (int q = 0; q < np; ++q) {
+        int a, b;
+        dev_pair(q, &a, &b);
+        cnt[v] += dev_count(t.lp + a * t.ld, keff, top, float_at_or_above(x - (cs[a] + (cs[a + b + 1] - cs[a + 1]))));
+      }
+    }
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  return start_safe(lo, tau);
+}
+
+KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
+#ifdef __CUDA_ARCH__
+  return deviation_bound_device(t, L, keff, budget, tau, tid, nthreads);
+#else
+  (void)tid; (void)nthreads;
+  return deviation_bound_host(t, L, keff, budget, tau);
+#endif
+}
+
+// The same pivots over the chain's own nodes 0^d r only (the heap's exact sums, one binary
+// search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
+// budget (no raises at the sweep's shapes), so it serves there.
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   double lo = tau, hi = (double)t.lp[0];
 #ifdef __CUDA_ARCH__
-  if (nthreads < 32 * CHAIN_PIVOTS) return tau;  // a warp a pivot
+  if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
   const int lane = tid & 31, w = tid >> 5;
   // Unrolled over KEY_DEPTH (L <= KEY_DEPTH here): the loads and conversions leave the
   // chain of adds (a loop to `lane` kept each step's load and conversion on it).
@@ -724,9 +931,9 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
   }
   KD_PROF(16);
   for (int round = 0; round < 2 && hi > lo; ++round) {
-    int* cnt = t.scratch + round * CHAIN_PIVOTS;  // a round's own: no barrier before the next writes
-    if (w < CHAIN_PIVOTS) {
-      const double x = chain_pivot(lo, hi, w + 1);
+    int* cnt = t.scratch + round * START_PIVOTS;  // a round's own: no barrier before the next writes
+    if (w < START_PIVOTS) {
+      const double x = start_pivot(lo, hi, w + 1);
       int n = lane < L ? count_children(t.lp + lane * t.ld, keff, c, x) : 0;
       for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
       if (lane == 0) cnt[w] = n;
@@ -734,27 +941,27 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
     KD_PROF(17 + 2 * round);
     __syncthreads();
     KD_PROF(18 + 2 * round);
-    chain_narrow(cnt, budget, &lo, &hi);
+    start_narrow(cnt, budget, &lo, &hi);
   }
 #else
   (void)tid; (void)nthreads;
   double cs[KEY_DEPTH];  // L <= KEY_DEPTH on this path
   for (int d = 0; d < L; ++d) cs[d] = d == 0 ? 0.0 : KD_DADD(cs[d - 1], (double)t.lp[(d - 1) * t.ld]);
   for (int round = 0; round < 2 && hi > lo; ++round) {
-    int cnt[CHAIN_PIVOTS];
-    for (int v = 0; v < CHAIN_PIVOTS; ++v) {
-      const double x = chain_pivot(lo, hi, v + 1);
+    int cnt[START_PIVOTS];
+    for (int v = 0; v < START_PIVOTS; ++v) {
+      const double x = start_pivot(lo, hi, v + 1);
       cnt[v] = 0;
       for (int d = 0; d < L; ++d) cnt[v] += count_children(t.lp + d * t.ld, keff, cs[d], x);
     }
-    chain_narrow(cnt, budget, &lo, &hi);
+    start_narrow(cnt, budget, &lo, &hi);
   }
 #endif
   return lo > tau ? lo : tau;
 }
 
 // One request's selection over staged, certified rows (L <= KEY_DEPTH); chain_start: raise
-// the first tau by chain_bound. Writes the pops to
+// the first tau by deviation_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
@@ -774,7 +981,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     tau = -1.0;
     for (int d = 0; d < L; ++d) tau = KD_DADD(tau, (double)t.lp[d * t.ld + keff - 1]);
   }
-  if (chain_start && (long long)L * keff >= budget) tau = chain_bound(t, L, keff, budget, tau, tid, nthreads);
+  if (chain_start && (long long)L * keff >= budget)
+    tau = keff < budget ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
+                        : chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
@@ -857,8 +1066,12 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   KD_BARRIER();
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-  if (m <= RANK_SORT_MAX) {
-    rank_count(t, m, tid, nthreads);
+#ifndef KD_BUCKET_SORT
+#define KD_BUCKET_SORT 1
+#endif
+  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, tid, nthreads), true)
+                                         : KD_BUCKET_SORT && bucket_rank(t, m, tau, tid, nthreads);
+  if (ranked) {
     KD_PROF(4);
     return emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
   }
