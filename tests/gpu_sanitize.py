@@ -18,6 +18,10 @@ def main():
     lp2, ids2 = stage_a_inputs(4, 15, 8192, 256, seed=3, coarse_fraction=1.0)
     lp2[3, 1] = lp2[3, 1].flip(0)
     wide = ops.tree_build(lp2.cuda(), ids2.cuda(), torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
+    # Top-k below the budget (K 64, budget 300): the one-deviation start bound, and the
+    # bucket ranks of more than 256 candidates.
+    lp3, ids3 = stage_a_inputs(3, 15, 8192, 64, seed=4)
+    ops.tree_build(lp3.cuda(), ids3.cuda(), torch.full((3,), 300, dtype=torch.int32, device="cuda"), d_max=301)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, target, 15, next_token=trees.next_token, next_sibling=trees.next_sibling)  # a warp each
     # D 257: a CTA each; the target follows first children.
