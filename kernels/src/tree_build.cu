@@ -168,11 +168,11 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau (deviation_bound) where the plain start lies far below the
-  // budget-th score (K < budget: the start is then a sum of each depth's K-th log-prob) or
-  // some request of the batch would likely raise tau: from batch 64, from batch 16 at
-  // budget >= 64, from batch 4 at budget 1024 (docs/kernels/tree_build.md, v3e, v3f and
-  // session 21).
+  // A tighter first tau (threshold_select: deviation_bound where K < budget, chain_bound
+  // otherwise) where the plain start lies far below the budget-th score (K < budget: it is
+  // then a sum of each depth's K-th log-prob) or some request of the batch would likely
+  // raise tau: from batch 64, from batch 16 at budget >= 64, from batch 4 at budget 1024
+  // (docs/kernels/tree_build.md, v3e, v3f and session 21).
   const int batch = gridDim.x;
 #ifndef KD_CHAIN_GATE
 #define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always

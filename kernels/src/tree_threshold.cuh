@@ -89,8 +89,8 @@ struct Threshold {
 };
 
 // Row stride of the staged log-probs for `ld` ranks: odd, so that the rows' same rank falls
-// in different shared-memory banks (the start bound reads one rank of every row at once;
-// a stride of 256 put them all in one bank, 32-way conflicts).
+// in different shared-memory banks (deviation_bound reads one rank of many rows at once; a
+// stride of 256 put them all in one bank).
 KD_HD int ts_stride(int ld) { return ld | 1; }
 
 KD_HD size_t ts_smem_bytes(int L, int ld, int cap) {
