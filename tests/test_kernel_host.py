@@ -302,6 +302,21 @@ def test_threshold_selection_with_top_k_below_the_budget(lib, budget, K):
     assert len(raises) >= 15 and np.median(raises) <= 1, raises
 
 
+@pytest.mark.parametrize("L,K,budget", [(1, 600, 1024), (2, 600, 1024), (3, 2, 6), (4, 300, 1024), (7, 5, 35),
+                                        (16, 2, 32), (16, 64, 1000), (16, 65, 1024), (12, 100, 1024),
+                                        (15, 255, 256)])
+def test_threshold_selection_top_k_below_the_budget_edges(lib, L, K, budget):
+    """K below the budget at the edges: one depth (no start bound: L K < budget), the
+    one-deviation bound from L 2 to 16, two ranks, budgets equal to the reachable nodes, K
+    one below the budget; fine and coarse rows. Trees are the heap's."""
+    for cf in (0.0, 1.0):
+        lp, ids = stage_a_inputs(3, L, 8192, K, seed=L * 1000 + K + int(cf), coarse_fraction=cf)
+        reachable = sum(K ** d for d in range(1, L + 1))
+        for b in range(3):
+            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+            assert n == min(budget, reachable), (cf, b, n)
+
+
 def test_threshold_selection_raises_at_small_budgets(lib):
     """Budget 64 (a node buffer of 128): tau raises happen on these sweep-like inputs even
     from the chain bound, and the trees stay the heap's."""
