@@ -533,6 +533,15 @@ __device__ __forceinline__ uint64_t score_key(double x) {
   return (uint64_t)__double_as_longlong(x) | 0x8000000000000000ull;
 }
 
+// 1 where node j comes before the node of score key u and path key k0..k3 (the spec's
+// order): one broadcast load of j's score and key, one branch-free compare.
+__device__ __forceinline__ int node_before(const Threshold& t, int j, uint64_t u, uint64_t k0, uint64_t k1,
+                                           uint64_t k2, uint64_t k3) {
+  const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
+  const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS + 2);
+  return key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
+}
+
 constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (docs/kernels/tree_build.md)
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
@@ -555,11 +564,7 @@ __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     int better = 0;
 #pragma unroll 4
-    for (int j = lo + 1; j <= hi; ++j) {
-      const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
-      const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS + 2);
-      better += key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
-    }
+    for (int j = lo + 1; j <= hi; ++j) better += node_before(t, j, u, k0, k1, k2, k3);
     if (e < m) atomicAdd(&t.pos[e], better);
   }
   KD_PROF(9);
@@ -574,6 +579,9 @@ __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
 // over t.items (dead until the host-style emit): start and fill [nb = cap], members [m].
 #ifndef KD_BUCKET_MAX
 #define KD_BUCKET_MAX 64
+#endif
+#ifndef KD_BUCKET_SORT
+#define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_SORT_MAX
 #endif
 constexpr int BUCKET_MAX = KD_BUCKET_MAX;
 
@@ -608,12 +616,7 @@ __device__ bool bucket_rank(const Threshold& t, int m, double tau, int tid, int 
     const int b0 = start[bin], b1 = b0 + fill[bin];
     int better = 0;
 #pragma unroll 4
-    for (int q = b0; q < b1; ++q) {
-      const int j = members[q];
-      const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
-      const ulonglong2 b = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS + 2);
-      better += key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
-    }
+    for (int q = b0; q < b1; ++q) better += node_before(t, members[q], u, k0, k1, k2, k3);
     t.pos[e] = b0 + better;
   }
   __syncthreads();
@@ -761,7 +764,8 @@ constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
 #define KD_START_ROUNDS 3
 #endif
 
-// Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed.
+// Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
+// contraction): chain_bound returns exactly a pivot that was counted.
 KD_HD double start_pivot(double lo, double hi, int k) {
 #ifdef __CUDA_ARCH__
   return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), __dmul_rn((double)k, 1.0 / (START_PIVOTS + 1))));
@@ -961,7 +965,7 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
 }
 
 // One request's selection over staged, certified rows (L <= KEY_DEPTH); chain_start: raise
-// the first tau by deviation_bound. Writes the pops to
+// the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
@@ -1066,9 +1070,6 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   KD_BARRIER();
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-#ifndef KD_BUCKET_SORT
-#define KD_BUCKET_SORT 1
-#endif
   const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, tid, nthreads), true)
                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, tid, nthreads);
   if (ranked) {

@@ -14,7 +14,7 @@
 // |         | for each tile of 64 consecutive cache rows, cp.async for the others       |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
 // |         | tiles else 2), 1..128                                                     |
-// | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the   |
+// | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 //
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
