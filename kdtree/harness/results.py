@@ -106,4 +106,3 @@ def flashmla_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
         return None
     m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us"]], on=VERIFY_KEYS, suffixes=("", "_fm"))
     return m.assign(ratio=m.median_us_fm / m.median_us)
-

@@ -7,7 +7,7 @@ import pathlib
 
 import pandas as pd
 
-from .results import flashmla_ratio, read_ok_rows
+from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows
 from .targets import check_targets
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -51,7 +51,7 @@ def summary(results_dir) -> str:
                   f"page size 64): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
     if v is not None and {1, 64} <= set(v.page_size):
-        keys = ["heads", "D", "prefix", "batch"]
+        keys = [c for c in VERIFY_KEYS if c != "page_size"]  # the same shape at both page sizes
         k = v[v.impl == "kdtree_kernel"]
         m = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
         ratio = m.median_us / m.median_us_64
