@@ -116,6 +116,15 @@ def test_tree_build_threshold_path_on_sweep_inputs(ops, budget):
         assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, cf
 
 
+@pytest.mark.parametrize("budget,K,V,seed", [(1024, 256, 8192, 1), (256, 64, 8192, 21), (512, 128, 4000, 19)])
+def test_tree_build_ties_at_the_budget_th_score_stay_on_the_threshold_path(ops, budget, K, V, seed):
+    """Requests whose ties at the budget-th score alone fill the node buffer (coarse rows,
+    top-k below the budget) are selected with the ties in path order, not by the warp loop."""
+    lp, ids = stage_a_inputs(8, 15, V, K, seed=1000 + seed, coarse_fraction=1.0)
+    _, st = gpu_vs_cpu(ops, lp, ids, np.full(8, budget), np.arange(8), np.arange(8))
+    assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
+
+
 def test_tree_build_uncertified_rows_take_the_warp_loop(ops):
     """Unsorted rows (outside stage A's contract, still a valid heap input) fall back to the
     heap-exact warp loop, request by request, and still match the CPU build."""

@@ -317,6 +317,17 @@ def test_threshold_selection_top_k_below_the_budget_edges(lib, L, K, budget):
             assert n == min(budget, reachable), (cf, b, n)
 
 
+@pytest.mark.parametrize("budget,K,V,seed", [(1024, 256, 8192, 1), (256, 64, 8192, 21), (512, 128, 4000, 19)])
+def test_threshold_selection_takes_ties_at_the_budget_th_score(lib, budget, K, V, seed):
+    """Coarse rows whose ties at the budget-th score fill the node buffer by themselves (two
+    requests of each batch here; the selection refused them before and the warp loop built
+    them): S(> t*) and then the tied nodes in path order (select_ties). Trees are the heap's."""
+    lp, ids = stage_a_inputs(8, 15, V, K, seed=1000 + seed, coarse_fraction=1.0)
+    for b in range(8):
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        assert n == budget, b
+
+
 def test_threshold_selection_raises_at_small_budgets(lib):
     """Budget 64 (a node buffer of 128): tau raises happen on these sweep-like inputs even
     from the chain bound, and the trees stay the heap's."""
