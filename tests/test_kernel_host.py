@@ -328,6 +328,20 @@ def test_threshold_selection_takes_ties_at_the_budget_th_score(lib, budget, K, V
         assert n == budget, b
 
 
+def test_threshold_selection_raises_from_the_whole_overflowing_level(lib):
+    """A raise counts every child of the overflowing level's parents (level_bound), not only
+    those that fit the buffer: on the sweep's batch-64 inputs at budget 1024, K 256, no
+    request takes more than two raises (from the truncated level alone: up to five, one
+    distinct coarse score a raise)."""
+    lp, ids = stage_a_inputs(64, 15, 8192, 256, seed=64 * 7919 + 1024)
+    raises = []
+    for b in range(64):
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 1024)
+        assert n == 1024, b
+        raises.append(int(stats[0]))
+    assert max(raises) <= 2, raises
+
+
 def test_threshold_selection_raises_at_small_budgets(lib):
     """Budget 64 (a node buffer of 128): tau raises happen on these sweep-like inputs even
     from the chain bound, and the trees stay the heap's."""

@@ -972,6 +972,70 @@ KD_HD void tie_block_key(const Threshold& t, int i, int r, uint64_t* k) {
   k[d >> 2] |= (uint64_t)(r + 1) << ((3 - (d & 3)) * 16);
 }
 
+// A raise where level d + 1 overflows (parents [lb, le) at level d): the highest pivot x
+// of [tau, lp[0][0]] that the nodes of levels <= d ([1, le), all >= tau) and every child
+// of the parents (counted by binary search, not stored) reach `budget` times. The
+// materialised part of the overflowing level is a biased sample (the first parents'
+// children, up to the buffer's end), and its budget-th best crept up one distinct score a
+// raise on coarse rows (docs/kernels/tree_build.md, session 21); the full level's count
+// lands within a raise or two. Exact sums, so the pivot is a lower bound as it stands.
+// Only where the level has at most LEVEL_RAISE_MAX parents (a warp's searches a pivot).
+#ifndef KD_LEVEL_RAISE
+#define KD_LEVEL_RAISE 1
+#endif
+constexpr int LEVEL_RAISE_MAX = 512;
+
+#ifdef __CUDA_ARCH__
+__device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
+                                     int lb, int le, int tid, int nthreads) {
+  double lo = tau, hi = (double)t.lp[0];
+  if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
+  const int lane = tid & 31, w = tid >> 5;
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int* cnt = t.scratch + (round & 1) * START_PIVOTS;  // alternate: no barrier before the next writes
+    if (w < START_PIVOTS) {
+      const double x = start_pivot(lo, hi, w + 1);
+      int n = 0;
+      for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
+      for (int p = lb + lane; p < le; p += 32) n += count_children(row, keff, t.score[p], x);
+      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
+      if (lane == 0) cnt[w] = n;
+    }
+    __syncthreads();
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  __syncthreads();  // the counts are read before the caller's next writes to scratch
+  return lo;
+}
+#endif
+
+// Host twin: the same pivots and counts, one thread.
+inline double level_bound_host(const Threshold& t, const float* row, int keff, int budget, double tau, int lb,
+                               int le) {
+  double lo = tau, hi = (double)t.lp[0];
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int cnt[START_PIVOTS];
+    for (int v = 0; v < START_PIVOTS; ++v) {
+      const double x = start_pivot(lo, hi, v + 1);
+      cnt[v] = 0;
+      for (int i = 1; i < le; ++i) cnt[v] += t.score[i] >= x;
+      for (int p = lb; p < le; ++p) cnt[v] += count_children(row, keff, t.score[p], x);
+    }
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  return lo;
+}
+
+KD_HD double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau, int lb, int le,
+                         int tid, int nthreads) {
+#ifdef __CUDA_ARCH__
+  return level_bound_device(t, row, keff, budget, tau, lb, le, tid, nthreads);
+#else
+  (void)tid; (void)nthreads;
+  return level_bound_host(t, row, keff, budget, tau, lb, le);
+#endif
+}
+
 // The next double above x (x finite, not the largest): order keys are consecutive.
 KD_HD double next_up(double x) { return from_order_key(order_key(x) + 1); }
 
@@ -1156,7 +1220,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       if (total > room) {  // overflow: raise tau over what is materialised, redo this level
         KD_PROF(24);
         if (++raises > TS_MAX_RAISES) return -1;
-        double nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
+        double nt = KD_LEVEL_RAISE && le - lb <= LEVEL_RAISE_MAX
+                        ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
+        if (!(nt > tau)) nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
         KD_PROF(21);
