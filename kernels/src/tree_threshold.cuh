@@ -364,6 +364,7 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
   for (int p0 = lb; p0 < le; p0 += nthreads) {
     const int p = p0 + tid;
     const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
+    if (p < le) t.pos[p - lb] = c;  // an overflow's level_bound searches within these counts
     const int incl = warp_inclusive_scan(c, lane);
     const int wtot = __shfl_sync(FULL_MASK, incl, 31);
     if (wtot == 0) continue;
@@ -980,8 +981,13 @@ KD_HD void tie_block_key(const Threshold& t, int i, int r, uint64_t* k) {
 // raise on coarse rows (docs/kernels/tree_build.md, session 21); the full level's count
 // lands within a raise or two. Exact sums, so the pivot is a lower bound as it stands.
 // Only where the level has at most LEVEL_RAISE_MAX parents (a warp's searches a pivot).
+// Device: each parent's searches stay within its count at tau, which materialise_level
+// leaves in t.pos (most parents of an overflowing level have a few children, many none).
 #ifndef KD_LEVEL_RAISE
 #define KD_LEVEL_RAISE 1
+#endif
+#ifndef KD_LEVEL_RAISE_FROM
+#define KD_LEVEL_RAISE_FROM 1
 #endif
 constexpr int LEVEL_RAISE_MAX = 512;
 
@@ -997,7 +1003,10 @@ __device__ double level_bound_device(const Threshold& t, const float* row, int k
       const double x = start_pivot(lo, hi, w + 1);
       int n = 0;
       for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
-      for (int p = lb + lane; p < le; p += 32) n += count_children(row, keff, t.score[p], x);
+      for (int p = lb + lane; p < le; p += 32) {
+        const int c = t.pos[p - lb];  // children >= x > tau: a prefix of those >= tau
+        if (c > 0) n += count_children(row, c, t.score[p], x);
+      }
       for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
       if (lane == 0) cnt[w] = n;
     }
@@ -1220,7 +1229,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       if (total > room) {  // overflow: raise tau over what is materialised, redo this level
         KD_PROF(24);
         if (++raises > TS_MAX_RAISES) return -1;
-        double nt = KD_LEVEL_RAISE && le - lb <= LEVEL_RAISE_MAX
+        double nt = KD_LEVEL_RAISE && raises >= KD_LEVEL_RAISE_FROM && le - lb <= LEVEL_RAISE_MAX
                         ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
