@@ -986,10 +986,10 @@ KD_HD void tie_block_key(const Threshold& t, int i, int r, uint64_t* k) {
 #ifndef KD_LEVEL_RAISE
 #define KD_LEVEL_RAISE 1
 #endif
-#ifndef KD_LEVEL_RAISE_FROM
-#define KD_LEVEL_RAISE_FROM 1
+#ifndef KD_LEVEL_RAISE_OVER
+#define KD_LEVEL_RAISE_OVER 2
 #endif
-constexpr int LEVEL_RAISE_MAX = 512;
+constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = KD_LEVEL_RAISE_OVER;
 
 #ifdef __CUDA_ARCH__
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
@@ -1229,7 +1229,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       if (total > room) {  // overflow: raise tau over what is materialised, redo this level
         KD_PROF(24);
         if (++raises > TS_MAX_RAISES) return -1;
-        double nt = KD_LEVEL_RAISE && raises >= KD_LEVEL_RAISE_FROM && le - lb <= LEVEL_RAISE_MAX
+        double nt = KD_LEVEL_RAISE && total > LEVEL_RAISE_OVER * room && le - lb <= LEVEL_RAISE_MAX
                         ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
