@@ -980,16 +980,15 @@ KD_HD void tie_block_key(const Threshold& t, int i, int r, uint64_t* k) {
 // children, up to the buffer's end), and its budget-th best crept up one distinct score a
 // raise on coarse rows (docs/kernels/tree_build.md, session 21); the full level's count
 // lands within a raise or two. Exact sums, so the pivot is a lower bound as it stands.
-// Only where the level has at most LEVEL_RAISE_MAX parents (a warp's searches a pivot).
+// Only where the level has at most LEVEL_RAISE_MAX parents (a warp's searches a pivot)
+// and holds more than LEVEL_RAISE_OVER times the room: a level that nearly fits is nearly
+// all materialised, and raise_tau's pick from it is as high for less.
 // Device: each parent's searches stay within its count at tau, which materialise_level
 // leaves in t.pos (most parents of an overflowing level have a few children, many none).
 #ifndef KD_LEVEL_RAISE
 #define KD_LEVEL_RAISE 1
 #endif
-#ifndef KD_LEVEL_RAISE_OVER
-#define KD_LEVEL_RAISE_OVER 2
-#endif
-constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = KD_LEVEL_RAISE_OVER;
+constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = 2;
 
 #ifdef __CUDA_ARCH__
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
