@@ -370,9 +370,15 @@ extern "C" int kd_build_set_smem_limit(int bytes) {
 }
 
 #ifdef KD_BUILD_PROFILE
-// Phase stamps of block 0 in the last launch (profile builds only).
+// Phase stamps of the chosen block in the last launch (profile builds only).
 extern "C" int kd_build_profile(long long* out) {
   return (int)cudaMemcpyFromSymbol(out, kd::g_prof, sizeof(long long) * kd::KD_PROF_SLOTS);
+}
+// The block (request) whose phases later launches stamp; the stamps are cleared.
+extern "C" int kd_build_profile_block(int b) {
+  const long long zero[kd::KD_PROF_SLOTS] = {};
+  const cudaError_t e = cudaMemcpyToSymbol(kd::g_prof, zero, sizeof(zero));
+  return (int)(e != cudaSuccess ? e : cudaMemcpyToSymbol(kd::g_prof_block, &b, sizeof(int)));
 }
 // Cycles each of the first KD_PROF_BLOCKS requests took in the last launch (thread 0's
 // clock from its start to its end): which request sets a batch's time.

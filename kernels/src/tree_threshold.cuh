@@ -30,15 +30,17 @@ namespace kd {
 #define KD_BARRIER() ((void)0)
 #endif
 
-// Profile builds (-DKD_BUILD_PROFILE): block 0 stamps clock64() at phase ends.
+// Profile builds (-DKD_BUILD_PROFILE): one block (g_prof_block, 0 unless chosen) stamps
+// clock64() at phase ends.
 #ifdef KD_BUILD_PROFILE
 constexpr int KD_PROF_SLOTS = 32;
 __device__ long long g_prof[KD_PROF_SLOTS];
+__device__ int g_prof_block;
 constexpr int KD_PROF_BLOCKS = 256;
 __device__ long long g_block_cycles[KD_PROF_BLOCKS];  // per request: tree_build.cu
 #endif
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
-#define KD_PROF(k) do { if (blockIdx.x == 0 && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
+#define KD_PROF(k) do { if (blockIdx.x == g_prof_block && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
 #else
 #define KD_PROF(k) ((void)0)
 #endif
