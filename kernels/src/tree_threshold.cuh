@@ -581,7 +581,7 @@ __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
 // exact ties hold a few hundred), not the merge sort's log^2 m dependent rounds. Scratch
 // over t.items (dead until the host-style emit): start and fill [nb = cap], members [m].
 #ifndef KD_BUCKET_MAX
-#define KD_BUCKET_MAX 64
+#define KD_BUCKET_MAX 128
 #endif
 #ifndef KD_BUCKET_SORT
 #define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_SORT_MAX
@@ -611,16 +611,19 @@ __device__ bool bucket_rank(const Threshold& t, int m, double tau, int tid, int 
     members[start[bin] + atomicAdd(&fill[bin], 1)] = e + 1;
   }
   __syncthreads();
-  for (int e = tid; e < m; e += nthreads) {
-    const int bin = nb - 1 - score_bin(t.score[e + 1], lo, scale, nb);
-    const uint64_t u = score_key(t.score[e + 1]);
-    const uint64_t* k = t.keys + (size_t)(e + 1) * KEY_WORDS;
+  // By member slot, not node: a warp's lanes share a bin (or two), so they walk the same
+  // members with broadcast loads and no lane waits on a larger bin than its own.
+  for (int s = tid; s < m; s += nthreads) {
+    const int i = members[s];
+    const int bin = nb - 1 - score_bin(t.score[i], lo, scale, nb);
+    const uint64_t u = score_key(t.score[i]);
+    const uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     const int b0 = start[bin], b1 = b0 + fill[bin];
     int better = 0;
 #pragma unroll 4
     for (int q = b0; q < b1; ++q) better += node_before(t, members[q], u, k0, k1, k2, k3);
-    t.pos[e] = b0 + better;
+    t.pos[i - 1] = b0 + better;
   }
   __syncthreads();
   return true;
