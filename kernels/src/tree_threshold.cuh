@@ -767,7 +767,7 @@ constexpr int START_PIVOTS = 16;
 constexpr int START_SLOTS = 5;  // pairs a lane holds: L (L + 1) / 2 <= 136 = 32 x 4.25
 constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
 #ifndef KD_START_ROUNDS
-#define KD_START_ROUNDS 2
+#define KD_START_ROUNDS 2  // a third round's searches cost more than the raises it saved
 #endif
 
 // Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
