@@ -57,6 +57,9 @@ COVERED = {
     "scripts/ab.sh": ("gpu", "the same-run A/B of the package split (CHANGELOG 0.2.0)"),
     "scripts/ab_compare.py": ("run", None),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
+    "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
+                                             "phase list in docs/kernels/tree_build.md (refusing other builds: "
+                                             "tests/test_kernel_host.py)"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),

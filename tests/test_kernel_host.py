@@ -1,6 +1,7 @@
 """The kernel library without a GPU: the ninja build, and the kernel's own selection
 code (tree_select.cuh, compiled for the host) against the CPU reference."""
 import ctypes
+import pathlib
 import shutil
 import subprocess
 
@@ -380,3 +381,14 @@ def test_threshold_selection_refuses_what_it_cannot_certify(lib):
     assert threshold_select(lib, np.array([[-1.0, -0.5, -2.0]], np.float32), 3)[0] == -2   # unsorted
     assert threshold_select(lib, np.array([[0.5, -1.0]], np.float32), 2)[0] == -2          # > 0
     assert threshold_select(lib, np.full((17, 4), -1.0, np.float32), 8)[0] == -2           # L > 16
+
+
+def test_profile_script_refuses_a_library_without_profile_stamps(lib_path):
+    """scripts/profile_tree_build.py needs a -DKD_BUILD_PROFILE build; given the plain library
+    it says so by name instead of failing inside ctypes."""
+    import os
+    import sys
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_tree_build.py"
+    r = subprocess.run([sys.executable, str(script), "--shapes", "1:16:16"], capture_output=True, text=True,
+                       env=dict(os.environ, KDTREE_LIB=str(lib_path)), timeout=120)
+    assert r.returncode != 0 and "not a profile build (-DKD_BUILD_PROFILE)" in r.stderr, r.stdout + r.stderr

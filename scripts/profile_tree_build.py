@@ -1,0 +1,83 @@
+"""Where a tree-build batch spends its time: per-request cycles and the phase stamps of the
+slowest and the median request, on the tree-build sweep's inputs (stage_a_inputs, L 15,
+V 8192, its seeds). Needs a profile build of the library:
+
+    python3 -m kdtree build --archs sm_90a --build-dir build/prof --extra-flags=-DKD_BUILD_PROFILE
+    KDTREE_LIB=build/prof/libkdtree.so python3 scripts/profile_tree_build.py [--shapes 64:256:256 ...]
+
+A shape is batch:budget:K. A batch's device time is its slowest request's, so the request
+clocks (kd_build_profile_blocks) say which request to read; its phases come from a second
+launch that stamps that block (kd_build_profile_block). Stamps are clock64 at phase ends
+(kernels/src/tree_threshold.cuh, KD_PROF): a slot written more than once keeps its last
+time; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the start bound's
+end); 16 the start bound's setup and 17-20 its rounds. Host raises and candidates come from the host twin of the selection.
+"""
+import argparse
+import ctypes
+import os
+
+import numpy as np
+import torch
+
+from kdtree import ops
+from kdtree.harness.workloads import stage_a_inputs
+
+SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 21: "raised",
+              22: "compacted", 2: "selected", 3: "rank_setup", 9: "ranked", 5: "popped", 6: "slots",
+              7: "bits_setup", 8: "end"}
+
+
+def host_stats(lib, lp, budget):
+    """(raises, candidates) of the host twin for one request; raises < 0: refused."""
+    f = lib.kd_select_threshold_host
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    lp = np.ascontiguousarray(lp, dtype=np.float32)
+    outs = [np.zeros(budget + 1, np.int32) for _ in range(5)]
+    stats = np.zeros(2, np.int32)
+    n = f(lp.ctypes.data, lp.shape[0], lp.shape[1], budget, *(o.ctypes.data for o in outs), stats.ctypes.data)
+    return (int(stats[0]) if n >= 0 else n), int(stats[1])
+
+
+def main():
+    a = argparse.ArgumentParser()
+    a.add_argument("--shapes", nargs="+", default=["16:64:64", "64:64:64", "16:256:256", "64:256:256",
+                                                   "16:1024:256", "64:1024:256"])
+    a.add_argument("--launches", type=int, default=4, help="launches before the clocks are read")
+    args = a.parse_args()
+    lib = ctypes.CDLL(os.environ["KDTREE_LIB"])
+    if not hasattr(lib, "kd_build_profile_block"):
+        raise SystemExit("KDTREE_LIB is not a profile build (-DKD_BUILD_PROFILE)")
+    for shape in args.shapes:
+        B, budget, K = (int(x) for x in shape.split(":"))
+        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget)  # the sweep's seed
+        lpd, idsd = lp.cuda(), ids.cuda()
+        budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
+
+        def launch(n):
+            out = ops.tree_build(lpd, idsd, budgets, d_max=budget + 1)
+            for _ in range(n):
+                out = ops.tree_build(lpd, idsd, budgets, d_max=budget + 1, out=out)
+            torch.cuda.synchronize()
+
+        lib.kd_build_profile_block(0)
+        launch(args.launches)
+        clocks = (ctypes.c_longlong * 256)()
+        lib.kd_build_profile_blocks(clocks)
+        cyc = np.array(clocks[:min(B, 256)])
+        order = np.argsort(-cyc)
+        stats = [host_stats(lib, lp[b].numpy(), budget) for b in range(len(cyc))]
+        print(f"B {B} budget {budget} K {K}: cycles max {cyc.max()} p90 {int(np.percentile(cyc, 90))} "
+              f"median {int(np.median(cyc))} min {cyc.min()}")
+        print("  slowest (cycles, (raises, candidates)):", [(int(cyc[i]), stats[i]) for i in order[:6]])
+        for b in (int(order[0]), int(order[len(order) // 2])):
+            stamps = (ctypes.c_longlong * 32)()
+            lib.kd_build_profile_block(b)
+            launch(1)
+            lib.kd_build_profile(stamps)
+            p = np.array(stamps[:])
+            rows = sorted((int(v - p[0]), SLOT_NAMES.get(i, str(i))) for i, v in enumerate(p) if v and v >= p[0])
+            print(f"  request {b} {stats[b]}:", " ".join(f"{name}={c}" for c, name in rows))
+
+
+if __name__ == "__main__":
+    main()
