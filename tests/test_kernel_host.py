@@ -1,9 +1,11 @@
 """The kernel library without a GPU: the ninja build, and the kernel's own selection
 code (tree_select.cuh, compiled for the host) against the CPU reference."""
 import ctypes
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -386,8 +388,6 @@ def test_threshold_selection_refuses_what_it_cannot_certify(lib):
 def test_profile_script_refuses_a_library_without_profile_stamps(lib_path):
     """scripts/profile_tree_build.py needs a -DKD_BUILD_PROFILE build; given the plain library
     it says so by name instead of failing inside ctypes."""
-    import os
-    import sys
     script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_tree_build.py"
     r = subprocess.run([sys.executable, str(script), "--shapes", "1:16:16"], capture_output=True, text=True,
                        env=dict(os.environ, KDTREE_LIB=str(lib_path)), timeout=120)
