@@ -126,17 +126,65 @@ KD_HD bool exact_sum(double a, double b, double s) {
   return KD_DADD(KD_DSUB(a, KD_DSUB(s, bb)), KD_DSUB(b, bb)) == 0.0;
 }
 
-// Children of a node of score s among ranks [0, keff) of a sorted row: fl(s + lp[r]) is
-// non-increasing in r, so those >= tau are a prefix; its length by binary search.
-KD_HD int count_children(const float* row, int keff, double s, double tau) {
-  if (s < tau) return 0;
-  int first = 0, len = keff;
+// The least float >= y: for a float v, v >= y exactly when v >= it.
+KD_HD float float_at_or_above(double y) {
+#ifdef __CUDA_ARCH__
+  return __double2float_ru(y);
+#else
+  float f = (float)y;
+  if ((double)f < y) f = nextafterf(f, INFINITY);
+  return f;
+#endif
+}
+
+// a - b rounded up: at least the exact difference.
+KD_HD double dsub_up(double a, double b) {
+#ifdef __CUDA_ARCH__
+  return __dsub_ru(a, b);
+#else
+  return nextafter(a - b, INFINITY);  // past the nearest: one ulp of slack, still an upper bound
+#endif
+}
+
+// v >= y as IEEE floats (fast-math's flush-to-zero would count a subnormal y as 0).
+KD_HD bool float_ge(float v, float y) {
+#ifdef __CUDA_ARCH__
+  unsigned r;
+  asm("{\n\t.reg .pred p;\n\tsetp.ge.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(v), "f"(y));
+  return r != 0;
+#else
+  return v >= y;
+#endif
+}
+
+// The end of the prefix of ranks r in [first, keff) with fl(s + lp[r]) >= tau. Not inlined:
+// count_children's rare path, kept off its callers' registers.
+__host__ __device__ __noinline__ static int count_exact(const float* row, int first, int keff, double s, double tau) {
+  int len = keff - first;
   while (len > 0) {
     const int half = len >> 1;
     if (KD_DADD(s, (double)row[first + half]) >= tau) { first += half + 1; len -= half + 1; }
     else len = half;
   }
   return first;
+}
+
+// Children of a node of score s among ranks [0, keff) of a sorted row: fl(s + lp[r]) is
+// non-increasing in r, so those >= tau are a prefix. Its length by a float search for
+// lp >= yf, the least float >= tau - s rounded up (then s + lp >= tau exactly, and the
+// heap's rounded sum too), without a conversion and a double add a step; sums that round
+// up onto tau are missed by it, so the next rank is checked exactly, and where it holds,
+// an exact search goes on past it.
+KD_HD int count_children(const float* row, int keff, double s, double tau) {
+  if (s < tau) return 0;
+  const float yf = float_at_or_above(dsub_up(tau, s));
+  int first = 0, len = keff;
+  while (len > 0) {
+    const int half = len >> 1;
+    if (float_ge(row[first + half], yf)) { first += half + 1; len -= half + 1; }
+    else len = half;
+  }
+  return first < keff && KD_DADD(s, (double)row[first]) >= tau ? count_exact(row, first + 1, keff, s, tau) : first;
 }
 
 // Scores as unsigned keys in the same order (all scores here are finite).
@@ -801,17 +849,6 @@ KD_HD void dev_pair(int q, int* a, int* b) {
   *b = e - *a;
 }
 
-// The least float >= y: for a float v, v >= y exactly when v >= it.
-KD_HD float float_at_or_above(double y) {
-#ifdef __CUDA_ARCH__
-  return __double2float_ru(y);
-#else
-  float f = (float)y;
-  if ((double)f < y) f = nextafterf(f, INFINITY);
-  return f;
-#endif
-}
-
 // How many r in [1, keff) of a sorted row have row[r] >= y (yf = float_at_or_above(y)):
 // a branch-free search in power-of-two steps (top: the highest power of two <= keff - 1),
 // so that a lane's searches can be interleaved.
@@ -1240,7 +1277,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
         KD_PROF(21);
         // All three level counters to zero (read by all before raise_tau's barriers): the
-        // narrow levels below may skip any number of levels.
+        // narrow levels below may skip any number of levels, and the restarts below need
+        // them zero too.
         if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
         if (nt > tau) {
           tau = nt;
@@ -1262,7 +1300,6 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
           tie_tau = tau;
           tau = next_up(tau);
           restart = true;
-          if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
           break;
         }
         tie = false;
@@ -1271,7 +1308,6 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         if (!(tau > lo && tau < hi)) return -1;
         guess = true;
         restart = true;
-        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
         break;
       }
       if (tid == 0) t.scratch[TS_COUNTERS + (d + 2) % 3] = 0;  // level d - 1's, read by all
