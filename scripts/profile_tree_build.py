@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kdtree import ops
-from kdtree.harness.workloads import stage_a_inputs
+from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 
 SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 21: "raised",
               22: "compacted", 2: "selected", 3: "rank_setup", 9: "ranked", 5: "popped", 6: "slots",
@@ -43,13 +43,14 @@ def main():
     a.add_argument("--shapes", nargs="+", default=["16:64:64", "64:64:64", "16:256:256", "64:256:256",
                                                    "16:1024:256", "64:1024:256"])
     a.add_argument("--launches", type=int, default=4, help="launches before the clocks are read")
+    a.add_argument("--drafts", choices=DRAFTS, default="mixed", help="the synthetic drafter (workloads.DRAFTS)")
     args = a.parse_args()
     lib = ctypes.CDLL(os.environ["KDTREE_LIB"])
     if not hasattr(lib, "kd_build_profile_block"):
         raise SystemExit("KDTREE_LIB is not a profile build (-DKD_BUILD_PROFILE)")
     for shape in args.shapes:
         B, budget, K = (int(x) for x in shape.split(":"))
-        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget)  # the sweep's seed
+        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget, drafts=args.drafts)  # the sweep's seed
         lpd, idsd = lp.cuda(), ids.cuda()
         budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
 

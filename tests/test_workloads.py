@@ -16,6 +16,27 @@ def test_drafter_logits_are_seeded_bf16_with_ties():
     assert top.max() > 0.9 and top.min() < 0.05   # peaked and flat rows both present
 
 
+def test_confident_drafts_give_deep_narrow_trees():
+    """A drafter that is usually right: the top token at 0.5-0.95 where the row is not
+    rounded, and trees far deeper than the mixed drafts' at the same budget."""
+    import numpy as np
+    import pytest
+
+    from kdtree.reference.tree import build_tree
+
+    lp, ids = stage_a_inputs(8, 15, 1000, 64, seed=3, coarse_fraction=0.0, drafts="confident")
+    top = lp[..., 0].exp()
+    assert top.min() > 0.45 and top.max() < 0.97   # bf16 logits: p within a few percent
+    assert torch.equal(lp, stage_a_inputs(8, 15, 1000, 64, seed=3, coarse_fraction=0.0, drafts="confident")[0])
+    depth = {}
+    for drafts in ("mixed", "confident"):
+        lp, ids = stage_a_inputs(8, 15, 1000, 64, seed=3, drafts=drafts)
+        depth[drafts] = np.median([max(build_tree(lp[b].numpy(), ids[b].numpy(), 64).depths) for b in range(8)])
+    assert depth["confident"] >= 10 and depth["mixed"] <= 6, depth
+    with pytest.raises(ValueError, match="drafts: expected one of"):
+        drafter_logits(1, 1, 10, seed=0, drafts="peaky")
+
+
 def test_paged_case_layout():
     c = paged_case([0, 63, 64, 130], D=5, H=2, page_size=64, seed=4)
     assert c.seq_lens.tolist() == [5, 68, 69, 135]

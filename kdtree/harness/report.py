@@ -57,7 +57,9 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
     if d is not None:
         piv = d.pivot_table(index=["batch", "budget"], columns=["impl", "metric"], values="median_us")
         piv.columns = [f"{a} {b} (us)" for a, b in piv.columns]
-        parts += ["## Tree build (median per batch)", "", _md(piv.reset_index()), ""]
+        drafts = sorted(set(d["drafts"].dropna())) if "drafts" in d else []
+        note = [f"Drafts: {', '.join(drafts)} (`sweep_tree_build.drafts`).", ""] if drafts else []
+        parts += ["## Tree build (median per batch)", "", *note, _md(piv.reset_index()), ""]
     d = read_ok_rows(rd / "verify_attn.parquet")
     if d is not None:
         cols = ["heads", "D", "prefix", "batch", "page_size", "impl", "median_us", "floor_us", "roofline_fraction"]

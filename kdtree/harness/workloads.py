@@ -1,8 +1,10 @@
 """Seeded synthetic workloads that look like real decode rounds.
 
-* Drafter logits in bf16 with mixed entropy: peaked rows (one or two dominant
-  tokens), flat rows, and coarse rows whose values collapse onto a few bf16 steps
-  so that exact ties are the normal case (as the spec warns they are).
+* Drafter logits in bf16, two kinds (`DRAFTS`): "mixed" entropy, peaked rows (one or
+  two dominant tokens) among flat and wide ones, which gives shallow, wide trees; and
+  "confident", a drafter that is usually right (the top token at probability 0.5-0.95),
+  which gives deep, narrow trees. In both, coarse rows collapse onto a few bf16 steps so
+  that exact ties are the normal case (as the spec warns they are).
 * Paged latent caches with ragged prefix lengths, block tables that are shuffled or
   runs of consecutive pages (SGLang's page-size-1 allocator hands a prefill one run),
   and every unused page and row poisoned with NaN so that an over-read shows in the
@@ -19,9 +21,18 @@ from ..reference.attention import QK_DIM
 from ..reference.tree import stage_a
 
 
-def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0.3) -> torch.Tensor:
-    """bf16 ``[B, L, V]`` logits; each row is peaked, flat or coarse (tie-heavy)."""
+DRAFTS = ("mixed", "confident")
+
+
+def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0.3,
+                   drafts: str = "mixed") -> torch.Tensor:
+    """bf16 ``[B, L, V]`` logits of one of the `DRAFTS` kinds; a `coarse_fraction` of the
+    rows is rounded to half units (tie-heavy)."""
+    if drafts not in DRAFTS:
+        raise ValueError(f"drafts: expected one of {DRAFTS}, got {drafts!r}")
     g = torch.Generator().manual_seed(seed)
+    if drafts == "confident":
+        return _confident_logits(B, L, V, g, coarse_fraction)
     x = torch.randn(B, L, V, generator=g)
     kind = torch.rand(B, L, 1, generator=g)
     temp = torch.where(kind < 0.4, 3.0, 1.0)                        # flat vs wide rows
@@ -34,9 +45,22 @@ def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0
     return x.to(torch.bfloat16)
 
 
-def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fraction: float = 0.3):
+def _confident_logits(B: int, L: int, V: int, g: torch.Generator, coarse_fraction: float) -> torch.Tensor:
+    """Each position's top token at probability p ~ U(0.5, 0.95) over a random tail."""
+    x = torch.randn(B, L, V, generator=g) * 2.0
+    p = 0.5 + 0.45 * torch.rand(B, L, 1, generator=g)
+    top = torch.randint(0, V, (B, L, 1), generator=g)
+    tail = x.scatter(-1, top, float("-inf")).logsumexp(-1, keepdim=True)
+    x.scatter_(-1, top, tail + torch.log(p / (1 - p)))  # softmax gives the top token p
+    coarse = torch.rand(B, L, 1, generator=g) < coarse_fraction
+    x = torch.where(coarse, torch.round(x * 2) / 2, x)
+    return x.to(torch.bfloat16)
+
+
+def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fraction: float = 0.3,
+                   drafts: str = "mixed"):
     """float32 top-lp and int64 ids ``[B, L, min(budget_max, V)]`` from synthetic logits."""
-    lp, ids = stage_a(drafter_logits(B, L, V, seed, coarse_fraction), max(1, budget_max))
+    lp, ids = stage_a(drafter_logits(B, L, V, seed, coarse_fraction, drafts), max(1, budget_max))
     return lp, ids
 
 
