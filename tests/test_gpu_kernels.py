@@ -116,6 +116,16 @@ def test_tree_build_threshold_path_on_sweep_inputs(ops, budget):
         assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, cf
 
 
+@pytest.mark.parametrize("budget,K", [(16, 16), (64, 64), (256, 256), (1024, 256)])
+def test_tree_build_on_deep_trees(ops, budget, K):
+    """A confident drafter's trees (15 levels, narrow deep levels) at batch 16 and 64: the
+    heap's trees, on the threshold path."""
+    for B in (16, 64):
+        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B + budget, drafts="confident")
+        _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))
+        assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, B
+
+
 @pytest.mark.parametrize("budget,K,V,seed", [(1024, 256, 8192, 1), (256, 64, 8192, 21), (512, 128, 4000, 19)])
 def test_tree_build_ties_at_the_budget_th_score_stay_on_the_threshold_path(ops, budget, K, V, seed):
     """Requests whose ties at the budget-th score alone fill the node buffer (coarse rows,

@@ -305,6 +305,19 @@ def test_threshold_selection_with_top_k_below_the_budget(lib, budget, K):
     assert len(raises) >= 15 and np.median(raises) <= 1, raises
 
 
+@pytest.mark.parametrize("budget,K", [(64, 64), (256, 256), (1024, 256)])
+def test_threshold_selection_on_deep_trees(lib, budget, K):
+    """A confident drafter's trees run 15 levels deep, one to four nodes on the deep levels
+    (the mixed drafts' end by depth 6): every tree is still the heap's."""
+    lp, ids = stage_a_inputs(16, 15, 8192, K, seed=5 * budget, drafts="confident")
+    depths = []
+    for b in range(16):
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        assert n == budget, b
+        depths.append(int(build_tree(lp[b].numpy(), ids[b].numpy(), budget).depths.max()))
+    assert np.median(depths) >= 12, depths
+
+
 @pytest.mark.parametrize("L,K,budget", [(1, 600, 1024), (2, 600, 1024), (3, 2, 6), (4, 300, 1024), (7, 5, 35),
                                         (16, 2, 32), (16, 64, 1000), (16, 65, 1024), (12, 100, 1024),
                                         (15, 255, 256)])
