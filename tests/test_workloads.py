@@ -1,7 +1,10 @@
 """Synthetic workloads look like the real thing: ties, mixed entropy, poisoned paged caches."""
+import numpy as np
+import pytest
 import torch
 
-from kdtree.harness.workloads import drafter_logits, paged_case, stage_a_inputs
+from kdtree.harness.workloads import drafter_logits, page_order, paged_case, stage_a_inputs
+from kdtree.reference.tree import build_tree
 
 
 def test_drafter_logits_are_seeded_bf16_with_ties():
@@ -19,11 +22,6 @@ def test_drafter_logits_are_seeded_bf16_with_ties():
 def test_confident_drafts_give_deep_narrow_trees():
     """A drafter that is usually right: the top token at 0.5-0.95 where the row is not
     rounded, and trees far deeper than the mixed drafts' at the same budget."""
-    import numpy as np
-    import pytest
-
-    from kdtree.reference.tree import build_tree
-
     lp, ids = stage_a_inputs(8, 15, 1000, 64, seed=3, coarse_fraction=0.0, drafts="confident")
     top = lp[..., 0].exp()
     assert top.min() > 0.45 and top.max() < 0.97   # bf16 logits: p within a few percent
@@ -55,10 +53,6 @@ def test_table_layouts():
     """Block tables shuffled, in runs of consecutive pages (one a request), or runs broken
     about every 16 pages; each a permutation of the cache's pages, and the cache's live
     rows the same keys whatever the order."""
-    import pytest
-
-    from kdtree.harness.workloads import page_order
-
     g = torch.Generator().manual_seed(3)
     for layout in ("scattered", "runs", "broken_runs"):
         assert sorted(page_order([5, 300, 1], 2, layout, g).tolist()) == list(range(308))

@@ -74,7 +74,7 @@ def tree_build(df: pd.DataFrame, path):
         axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build")
         _legend_outside(axes[1])
     L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
-    drafts = f"{df['drafts'].iloc[0]} drafts, " if "drafts" in df else ""
+    drafts = f"{', '.join(sorted(df['drafts'].dropna().unique()))} drafts, " if "drafts" in df else ""
     fig.suptitle(f"DDTree build, {L}{drafts}{_gpu_label(df)}")
     fig.tight_layout()
     _save(fig, path)
