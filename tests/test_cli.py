@@ -22,8 +22,8 @@ def run(argv, capsys):
     (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", "not json"], "--cfg-json: expected"),
     (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", '{"batches": [-4]}'],
      "sweep_tree_build.batches[0]: -4 is less than the minimum of 1"),
-    (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", '{"drafts": "peaky"}'],
-     "sweep_tree_build.drafts: 'peaky' is not one of ['mixed', 'confident']"),
+    (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", '{"drafts": ["peaky"]}'],
+     "sweep_tree_build.drafts[0]: 'peaky' is not one of ['mixed', 'confident']"),
     (["sweep", "tree-accept", "--out", "{tmp}/s.parquet", "--cfg-json", '{"slots": [17], "bogus": 1}'],
      "sweep_tree_accept: Additional properties are not allowed ('bogus' was unexpected)"),
     (["check", "container", "{tmp}/nope.def", "constraints.txt", "README.md"], "{tmp}/nope.def: no such file"),
@@ -53,13 +53,15 @@ def test_a_negative_batch_writes_no_error_rows(tmp_path, capsys):
     assert code != 0 and not out.exists()
 
 
-def test_tree_build_sweep_records_its_drafts(tmp_path):
+def test_tree_build_sweep_takes_each_draft_kind(tmp_path):
     out = tmp_path / "s.parquet"
     main(["sweep", "tree-build", "--cpu-only", "--out", str(out), "--cfg-json",
-          '{"batches": [2], "budgets": [16], "drafts": "confident", "cpu_reps": 1}'])
+          '{"batches": [2], "budgets": [16], "drafts": ["mixed", "confident"], "cpu_reps": 1}'])
     d = pd.read_parquet(out)
-    assert set(d.drafts) == {"confident"}
-    assert (d[d.impl == "cpu_heapq"].status == "ok").all()
+    cpu = d[d.impl == "cpu_heapq"]
+    assert sorted(cpu.drafts) == ["confident", "mixed"] and (cpu.status == "ok").all()
+    main(["sweep", "tree-build", "--cpu-only", "--out", str(out), "--cfg-json", '{"batches": [2], "budgets": [16]}'])
+    assert set(pd.read_parquet(out).drafts) == {"mixed"}   # the default
 
 
 def test_gather_joins_present_shards(tmp_path, capsys):

@@ -62,6 +62,23 @@ def test_each_batch_has_its_own_colour(captured):
     assert closest > 0.15, colours                 # told apart at a glance, not shades of one colour
 
 
+def test_two_draft_kinds_get_a_row_of_panels_each(captured, tmp_path):
+    """A run with sweep_tree_build.drafts [mixed, confident]: one row of panels a kind, each
+    titled with it, and the report's table keyed by it."""
+    d = pd.read_parquet(REF / "tree_build.parquet")
+    both = pd.concat([d.assign(drafts="mixed"), d.assign(drafts="confident", median_us=d.median_us * 2)])
+    figures.tree_build(both, "unused.png")
+    fig = captured[-1]
+    titles = [ax.get_title() for ax in fig.axes if ax.axison]
+    assert len(titles) == 4 and sum("(confident drafts)" in t for t in titles) == 2, titles
+    check_readable(fig)
+    both.to_parquet(tmp_path / "tree_build.parquet")
+    render(tmp_path, tmp_path / "report.md")
+    text = (tmp_path / "report.md").read_text()
+    table = text[text.index("## Tree build"):].split("\n\n")[2]
+    assert "drafts" in table.splitlines()[0] and "confident" in table and "mixed" in table
+
+
 def test_a_cpu_only_build_figure_has_one_panel(captured):
     d = pd.read_parquet(REF / "tree_build.parquet")
     figures.tree_build(d[d.impl == "cpu_heapq"], "unused.png")

@@ -132,6 +132,23 @@ def test_breakdown_is_an_amdahl_projection(tmp_path):
     assert (tmp_path / "figures" / "step_breakdown.png").exists()
 
 
+def test_breakdown_takes_the_confident_drafters_build(tmp_path):
+    """Where the sweep ran both draft kinds, the GPU build comes from the confident drafter's
+    rows (a draft that is mostly right, as the accept rows' highest follow rate)."""
+    rows = [dict(batch=4, budget=64, drafts=k, impl=i, metric=m, median_us=us, status="ok")
+            for k, scale in (("mixed", 1.0), ("confident", 3.0))
+            for i, m, us in (("cpu_heapq", "batch_time", 4000.0), ("gpu_kernel", "device_time", 40.0 * scale))]
+    pd.DataFrame(rows).to_parquet(tmp_path / "tree_build.parquet")
+    pd.DataFrame([dict(batch=4, D=65, impl="cpu_walk", median_us=500.0, status="ok"),
+                  dict(batch=4, D=65, impl="gpu_kernel", median_us=5.0, status="ok")]).to_parquet(
+        tmp_path / "tree_accept.parquet")
+    pd.DataFrame([dict(verify_step_ms=20.0, concurrency=4, tree_budget=64)]).to_parquet(
+        tmp_path / "probe_summary.parquet")
+    t = breakdown_table(tmp_path)
+    proj = t[t.scenario.str.startswith("projected")].set_index("component").ms
+    assert proj.sum() == pytest.approx(15.5 + 0.12 + 0.005)
+
+
 def test_breakdown_says_what_it_assumed(tmp_path):
     pd.DataFrame([dict(batch=4, budget=16, impl="cpu_heapq", metric="batch_time", median_us=4000.0, status="ok"),
                   dict(batch=4, budget=64, impl="cpu_heapq", metric="batch_time", median_us=9000.0, status="ok")]

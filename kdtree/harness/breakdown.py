@@ -46,6 +46,14 @@ def _typical_draft(d: pd.DataFrame | None) -> pd.DataFrame | None:
     return d[d.follow == d.follow.max()]
 
 
+def _typical_tree(d: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Build rows from the confident drafter where the sweep has them (a draft that is mostly
+    right, as for the accept rows); older runs have only the mixed drafts."""
+    if d is None or "drafts" not in d or not (d.drafts == "confident").any():
+        return d
+    return d[d.drafts == "confident"]
+
+
 def _pick(df: pd.DataFrame, what: str, notes: list, **want) -> pd.Series | None:
     """The row at exactly `want`, else the nearest one with a note saying which was taken."""
     row = _nearest(df, **want)
@@ -62,7 +70,7 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     assumption and mismatch is a line of the `notes` column (one string, '; '-joined)."""
     rd = pathlib.Path(results_dir)
     probe = read_ok_rows(rd / "probe_summary.parquet")
-    tree = read_ok_rows(rd / "tree_build.parquet")
+    tree = _typical_tree(read_ok_rows(rd / "tree_build.parquet"))
     if probe is None or tree is None or "verify_step_ms" not in probe:
         return None
     probe = probe[probe.verify_step_ms.notna()]
@@ -80,7 +88,7 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
     source = "this run"
     if gpu_tree.empty and kernel_times_dir and (pathlib.Path(kernel_times_dir) / "tree_build.parquet").exists():
         kt = pathlib.Path(kernel_times_dir)
-        gpu_tree = _gpu_rows(read_ok_rows(kt / "tree_build.parquet"), metric="device_time")
+        gpu_tree = _gpu_rows(_typical_tree(read_ok_rows(kt / "tree_build.parquet")), metric="device_time")
         gpu_acc = _accept_kernel(_typical_draft(read_ok_rows(kt / "tree_accept.parquet")))
         names = sorted(set(gpu_tree.get("gpu_name", pd.Series(dtype=str)).dropna()))
         source = f"{kt} ({', '.join(names) or 'GPU'})"

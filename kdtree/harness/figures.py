@@ -55,29 +55,36 @@ def tree_build(df: pd.DataFrame, path):
     d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree build", "no measured rows")
+    # One row of panels a draft kind (sweep_tree_build.drafts); older runs have no column.
+    kinds = sorted(d.drafts.dropna().unique()) if "drafts" in d else [None]
+    gpu_any = bool(((d.impl == "gpu_kernel") & (d.metric == "device_time")).any())
+    panels = 2 if gpu_any else 1   # a CPU-only run has no speedup to show
+    fig, axes = plt.subplots(len(kinds), panels, figsize=(7 * panels, 4.2 * len(kinds)), squeeze=False)
+    for row, kind in zip(axes, kinds):
+        _tree_build_row(d if kind is None else d[d.drafts == kind], row, kind, gpu_any)
+    L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
+    fig.suptitle(f"DDTree build, {L}{_gpu_label(df)}")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _tree_build_row(d: pd.DataFrame, axes, kind, gpu_any: bool):
     cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
     gpu = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
     lat = d[(d.impl == "gpu_kernel") & (d.metric == "caller_latency")][["batch", "budget", "median_us"]]
-    panels = 1 if gpu.empty else 2   # a CPU-only run has no speedup to show
-    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.2), squeeze=False)
-    axes = axes[0]
+    of = f" ({kind} drafts)" if kind else ""
     long = pd.concat([cpu.assign(impl="CPU heapq (reference)"), gpu.assign(impl="GPU kernel, device time"),
                       lat.assign(impl="GPU kernel, caller latency")]).rename(columns={"impl": "time"})
     sns.lineplot(long, x="budget", y="median_us", style="time", marker="o", ax=axes[0], **_batch_hue(long))
     axes[0].set(xscale="log", yscale="log", ylabel="time per batch (us)",
-                title="Tree build time" + ("" if panels == 2 else " (CPU only: no CUDA device in this run)"))
+                title="Tree build time" + of + ("" if gpu_any else " (CPU only: no CUDA device in this run)"))
     _legend_outside(axes[0])
-    if panels == 2:
+    if gpu_any:
         m = cpu.merge(gpu, on=["batch", "budget"], suffixes=("_cpu", "_gpu"))
         m["speedup"] = m.median_us_cpu / m.median_us_gpu
         sns.barplot(m, x="budget", y="speedup", ax=axes[1], **_batch_hue(m))
-        axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build")
+        axes[1].set(yscale="log", ylabel="CPU time / GPU device time", title="GPU speedup over CPU build" + of)
         _legend_outside(axes[1])
-    L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
-    drafts = f"{', '.join(sorted(df['drafts'].dropna().unique()))} drafts, " if "drafts" in df else ""
-    fig.suptitle(f"DDTree build, {L}{drafts}{_gpu_label(df)}")
-    fig.tight_layout()
-    _save(fig, path)
 
 
 # What each verify `impl` is, for legends: "kdtree_kernel" is what the library dispatches on

@@ -79,7 +79,7 @@ def _build_targets(t: pd.DataFrame | None) -> list[dict]:
                if not b.empty else _row(*names[1], "-", None))
     lat = t[(t.impl == "gpu_kernel") & (t.metric == "caller_latency")]
     empty = t[(t.impl == "torch_tiny_op") & (t.metric == "caller_latency")]
-    j = lat.merge(empty, on=["batch", "budget"], suffixes=("", "_empty"))
+    j = lat.merge(empty, on=["batch", "budget"] + (["drafts"] if "drafts" in t else []), suffixes=("", "_empty"))
     if j.empty:
         out.append(_row(*names[2], "-", None))
     else:

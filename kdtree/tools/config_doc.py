@@ -22,7 +22,7 @@ def _type(spec: dict, defs: dict) -> str:
         return " \\| ".join(json.dumps(v) for v in spec["enum"])
     t = spec.get("type", "")
     if t == "array":
-        return f"list of {spec.get('items', {}).get('type', 'any')}"
+        return f"list of {_type(spec.get('items', {}), defs) or 'any'}"
     return t
 
 

@@ -30,7 +30,7 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     B, budget, L, V = p["batch"], p["budget"], cfg["L"], cfg["vocab"]
     # K = min(budget, vocab, max_topk): a drafter's top-k is often capped below the budget
     topk = min(budget, V, cfg.get("max_topk") or budget)
-    lp, ids = stage_a_inputs(B, L, V, topk, seed=cfg["seed"] + B * 7919 + budget, drafts=cfg["drafts"])
+    lp, ids = stage_a_inputs(B, L, V, topk, seed=cfg["seed"] + B * 7919 + budget, drafts=p["drafts"])
     p = dict(p, topk=lp.shape[-1])
     lp_np, ids_np = lp.numpy(), ids.numpy()
     rows = []
@@ -71,8 +71,8 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
 
 def run(cfg: dict, out_path, gpu: bool | None = None, library=None):
     gpu = cuda_available() if gpu is None else gpu
-    cfg = dict(cfg, drafts=cfg.get("drafts", DRAFTS[0]))  # the schema's default: mixed
-    points = [{"batch": int(B), "budget": int(b)} for B in cfg["batches"] for b in cfg["budgets"]]
+    drafts = cfg.get("drafts") or [DRAFTS[0]]  # the schema's default: [mixed]
+    points = [{"batch": int(B), "budget": int(b), "drafts": k}
+              for B in cfg["batches"] for b in cfg["budgets"] for k in drafts]
     return run_sweep("tree_build", points, lambda p: measure_point(p, cfg, gpu), out_path, cfg,
-                     library if gpu else None,
-                     extra={"L": cfg["L"], "vocab": cfg["vocab"], "drafts": cfg["drafts"]})
+                     library if gpu else None, extra={"L": cfg["L"], "vocab": cfg["vocab"]})
