@@ -59,7 +59,8 @@ def tree_build(df: pd.DataFrame, path):
     kinds = sorted(d.drafts.dropna().unique()) if "drafts" in d else [None]
     gpu_any = bool(((d.impl == "gpu_kernel") & (d.metric == "device_time")).any())
     panels = 2 if gpu_any else 1   # a CPU-only run has no speedup to show
-    fig, axes = plt.subplots(len(kinds), panels, figsize=(7 * panels, 4.2 * len(kinds)), squeeze=False)
+    fig, axes = plt.subplots(len(kinds), panels, figsize=(7 * panels, 4.2 * len(kinds)), squeeze=False,
+                             sharey="col")  # kinds compared on one scale
     for row, kind in zip(axes, kinds):
         _tree_build_row(d if kind is None else d[d.drafts == kind], row, kind, gpu_any)
     L = f"L={int(df['L'].iloc[0])}, " if "L" in df else ""
