@@ -111,16 +111,21 @@ def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
     assert "## Tree build" in text and "## Tree accept" in text and "follow" in text
 
 
-def test_breakdown_is_an_amdahl_projection(tmp_path):
-    rows = []
-    for impl, metric, us in (("cpu_heapq", "batch_time", 4000.0), ("gpu_kernel", "device_time", 40.0)):
-        rows.append(dict(batch=4, budget=64, impl=impl, metric=metric, median_us=us, status="ok"))
-    pd.DataFrame(rows).to_parquet(tmp_path / "tree_build.parquet")
+def _accept_and_probe(tmp_path):
+    """Accept rows at batch 4, D 65 (CPU walk 500 us, kernel 5 us) and a 20 ms probed step."""
     pd.DataFrame([dict(batch=4, D=65, impl="cpu_walk", median_us=500.0, status="ok"),
                   dict(batch=4, D=65, impl="gpu_kernel", median_us=5.0, status="ok")]).to_parquet(
         tmp_path / "tree_accept.parquet")
     pd.DataFrame([dict(verify_step_ms=20.0, concurrency=4, tree_budget=64)]).to_parquet(
         tmp_path / "probe_summary.parquet")
+
+
+def test_breakdown_is_an_amdahl_projection(tmp_path):
+    rows = []
+    for impl, metric, us in (("cpu_heapq", "batch_time", 4000.0), ("gpu_kernel", "device_time", 40.0)):
+        rows.append(dict(batch=4, budget=64, impl=impl, metric=metric, median_us=us, status="ok"))
+    pd.DataFrame(rows).to_parquet(tmp_path / "tree_build.parquet")
+    _accept_and_probe(tmp_path)
     t = breakdown_table(tmp_path)
     now = t[t.scenario.str.startswith("measured")].set_index("component").ms
     proj = t[t.scenario.str.startswith("projected")].set_index("component").ms
@@ -139,11 +144,7 @@ def test_breakdown_takes_the_confident_drafters_build(tmp_path):
             for k, scale in (("mixed", 1.0), ("confident", 3.0))
             for i, m, us in (("cpu_heapq", "batch_time", 4000.0), ("gpu_kernel", "device_time", 40.0 * scale))]
     pd.DataFrame(rows).to_parquet(tmp_path / "tree_build.parquet")
-    pd.DataFrame([dict(batch=4, D=65, impl="cpu_walk", median_us=500.0, status="ok"),
-                  dict(batch=4, D=65, impl="gpu_kernel", median_us=5.0, status="ok")]).to_parquet(
-        tmp_path / "tree_accept.parquet")
-    pd.DataFrame([dict(verify_step_ms=20.0, concurrency=4, tree_budget=64)]).to_parquet(
-        tmp_path / "probe_summary.parquet")
+    _accept_and_probe(tmp_path)
     t = breakdown_table(tmp_path)
     proj = t[t.scenario.str.startswith("projected")].set_index("component").ms
     assert proj.sum() == pytest.approx(15.5 + 0.12 + 0.005)
