@@ -10,7 +10,8 @@ clocks (kd_build_profile_blocks) say which request to read; its phases come from
 launch that stamps that block (kd_build_profile_block). Stamps are clock64 at phase ends
 (kernels/src/tree_threshold.cuh, KD_PROF): a slot written more than once keeps its last
 time; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the start bound's
-end); 16 the start bound's setup and 17-20 its rounds. Host raises and candidates come from the host twin of the selection.
+end); 16 the start bound's setup and 17, 18 its rounds (each before the round's barrier).
+Host raises and candidates come from the host twin of the selection.
 """
 import argparse
 import ctypes

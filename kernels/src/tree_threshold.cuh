@@ -35,12 +35,12 @@ namespace kd {
 #ifdef KD_BUILD_PROFILE
 constexpr int KD_PROF_SLOTS = 32;
 __device__ long long g_prof[KD_PROF_SLOTS];
-__device__ int g_prof_block;
+__constant__ int g_prof_block;  // constant: the stamps' test costs no global load
 constexpr int KD_PROF_BLOCKS = 256;
 __device__ long long g_block_cycles[KD_PROF_BLOCKS];  // per request: tree_build.cu
 #endif
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
-#define KD_PROF(k) do { if (blockIdx.x == g_prof_block && threadIdx.x == 0) g_prof[k] = clock64(); } while (0)
+#define KD_PROF(k) do { if (threadIdx.x == 0 && blockIdx.x == g_prof_block) g_prof[k] = clock64(); } while (0)
 #else
 #define KD_PROF(k) ((void)0)
 #endif
@@ -839,6 +839,43 @@ KD_HD void start_narrow(const int* cnt, int budget, double* lo, double* hi) {
   *lo = nlo;
 }
 
+#ifdef __CUDA_ARCH__
+// KD_START_ROUNDS rounds over [lo, hi]: warp w counts pivot w (count(x, lane): the lane's
+// share, summed over the warp), one barrier a round; returns the last pivot that held
+// `budget` (lo where none did). Round counts alternate between two scratch slots, so a
+// round writes without a barrier after the last one's reads. Profile builds stamp slot
+// `stamp` + round where stamp >= 0.
+template <class Count>
+__device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, int stamp, int tid,
+                               int nthreads, Count count) {
+  if (nthreads < 32 * START_PIVOTS) return lo;  // a warp a pivot
+  const int lane = tid & 31, w = tid >> 5;
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int* cnt = t.scratch + (round & 1) * START_PIVOTS;
+    if (w < START_PIVOTS) {
+      int n = count(start_pivot(lo, hi, w + 1), lane);
+      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
+      if (lane == 0) cnt[w] = n;
+    }
+    if (stamp >= 0) KD_PROF(stamp + round);
+    __syncthreads();
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  return lo;
+}
+#endif
+
+// Host twin: the same pivots, count(x) the whole count, one thread.
+template <class Count>
+inline double pivot_rounds_host(double lo, double hi, int budget, Count count) {
+  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+    int cnt[START_PIVOTS];
+    for (int v = 0; v < START_PIVOTS; ++v) cnt[v] = count(start_pivot(lo, hi, v + 1));
+    start_narrow(cnt, budget, &lo, &hi);
+  }
+  return lo;
+}
+
 // Pair q of (a, b), by its deepest depth e = a + b: q = e (e + 1) / 2 + a (q < 136: the
 // float square root of 8 q + 1 is exact where it is a whole number).
 KD_HD void dev_pair(int q, int* a, int* b) {
@@ -870,9 +907,8 @@ KD_HD double start_safe(double lo, double tau) {
 #ifdef __CUDA_ARCH__
 __device__ double deviation_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                          int nthreads) {
-  double lo = tau, hi = (double)t.lp[0];
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const int lane = tid & 31, w = tid >> 5, np = L * (L + 1) / 2;
+  const int lane = tid & 31, np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
   // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
@@ -896,58 +932,45 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
-    int* cnt = t.scratch + (round & 1) * START_PIVOTS;  // alternate: no barrier before the next writes
-    if (w < START_PIVOTS) {
-      const double x = start_pivot(lo, hi, w + 1);
-      int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
-      // dev_count over the lane's slots, steps outside: the slots' loads go out together.
-      int count[START_SLOTS];
-      float yf[START_SLOTS];
+  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, 17, tid, nthreads, [&](double x, int lane) {
+    int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
+    // dev_count over the lane's slots, steps outside: the slots' loads go out together.
+    int count[START_SLOTS];
+    float yf[START_SLOTS];
 #pragma unroll
-      for (int k = 0; k < START_SLOTS; ++k) { count[k] = 0; yf[k] = float_at_or_above(x - around[k]); }
-      for (int step = top; step > 0; step >>= 1)
+    for (int k = 0; k < START_SLOTS; ++k) { count[k] = 0; yf[k] = float_at_or_above(x - around[k]); }
+    for (int step = top; step > 0; step >>= 1)
 #pragma unroll
-        for (int k = 0; k < START_SLOTS; ++k) {
-          const int r = count[k] + step;
-          if (row_of[k] >= 0 && r < keff && t.lp[row_of[k] * t.ld + (r < keff ? r : keff - 1)] >= yf[k]) count[k] = r;
-        }
+      for (int k = 0; k < START_SLOTS; ++k) {
+        const int r = count[k] + step;
+        if (row_of[k] >= 0 && r < keff && t.lp[row_of[k] * t.ld + (r < keff ? r : keff - 1)] >= yf[k]) count[k] = r;
+      }
 #pragma unroll
-      for (int k = 0; k < START_SLOTS; ++k) n += count[k];
-      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
-      if (lane == 0) cnt[w] = n;
-    }
-    KD_PROF(17 + round);
-    __syncthreads();
-    start_narrow(cnt, budget, &lo, &hi);
-  }
+    for (int k = 0; k < START_SLOTS; ++k) n += count[k];
+    return n;
+  });
   return start_safe(lo, tau);
 }
 #endif
 
 // Host twin: the same sums, pivots and counts, one thread.
 inline double deviation_bound_host(const Threshold& t, int L, int keff, int budget, double tau) {
-  double lo = tau, hi = (double)t.lp[0];
   double cs[KEY_DEPTH + 1];  // L <= KEY_DEPTH on this path
   cs[0] = 0.0;
   for (int d = 0; d < L; ++d) cs[d + 1] = KD_DADD(cs[d], (double)t.lp[d * t.ld]);
   const int np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
-    int cnt[START_PIVOTS];
-    for (int v = 0; v < START_PIVOTS; ++v) {
-      const double x = start_pivot(lo, hi, v + 1);
-      cnt[v] = 0;
-      for (int d = 1; d <= L; ++d) cnt[v] += cs[d] >= x;
-      for (int q = 0; q < np; ++q) {
-        int a, b;
-        dev_pair(q, &a, &b);
-        cnt[v] += dev_count(t.lp + a * t.ld, keff, top, float_at_or_above(x - (cs[a] + (cs[a + b + 1] - cs[a + 1]))));
-      }
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+    int n = 0;
+    for (int d = 1; d <= L; ++d) n += cs[d] >= x;
+    for (int q = 0; q < np; ++q) {
+      int a, b;
+      dev_pair(q, &a, &b);
+      n += dev_count(t.lp + a * t.ld, keff, top, float_at_or_above(x - (cs[a] + (cs[a + b + 1] - cs[a + 1]))));
     }
-    start_narrow(cnt, budget, &lo, &hi);
-  }
+    return n;
+  });
   return start_safe(lo, tau);
 }
 
@@ -964,10 +987,9 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there.
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
-  double lo = tau, hi = (double)t.lp[0];
 #ifdef __CUDA_ARCH__
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const int lane = tid & 31, w = tid >> 5;
+  const int lane = tid & 31;
   // Unrolled over KEY_DEPTH (L <= KEY_DEPTH here): the loads and conversions leave the
   // chain of adds (a loop to `lane` kept each step's load and conversion on it).
   double c = 0.0, acc = 0.0;
@@ -977,32 +999,18 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
     if (d < L) acc = KD_DADD(acc, (double)t.lp[d * t.ld]);
   }
   KD_PROF(16);
-  for (int round = 0; round < 2 && hi > lo; ++round) {
-    int* cnt = t.scratch + round * START_PIVOTS;  // a round's own: no barrier before the next writes
-    if (w < START_PIVOTS) {
-      const double x = start_pivot(lo, hi, w + 1);
-      int n = lane < L ? count_children(t.lp + lane * t.ld, keff, c, x) : 0;
-      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
-      if (lane == 0) cnt[w] = n;
-    }
-    KD_PROF(17 + 2 * round);
-    __syncthreads();
-    KD_PROF(18 + 2 * round);
-    start_narrow(cnt, budget, &lo, &hi);
-  }
+  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, 17, tid, nthreads, [&](double x, int lane) {
+    return lane < L ? count_children(t.lp + lane * t.ld, keff, c, x) : 0;
+  });
 #else
   (void)tid; (void)nthreads;
   double cs[KEY_DEPTH];  // L <= KEY_DEPTH on this path
   for (int d = 0; d < L; ++d) cs[d] = d == 0 ? 0.0 : KD_DADD(cs[d - 1], (double)t.lp[(d - 1) * t.ld]);
-  for (int round = 0; round < 2 && hi > lo; ++round) {
-    int cnt[START_PIVOTS];
-    for (int v = 0; v < START_PIVOTS; ++v) {
-      const double x = start_pivot(lo, hi, v + 1);
-      cnt[v] = 0;
-      for (int d = 0; d < L; ++d) cnt[v] += count_children(t.lp + d * t.ld, keff, cs[d], x);
-    }
-    start_narrow(cnt, budget, &lo, &hi);
-  }
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+    int n = 0;
+    for (int d = 0; d < L; ++d) n += count_children(t.lp + d * t.ld, keff, cs[d], x);
+    return n;
+  });
 #endif
   return lo > tau ? lo : tau;
 }
@@ -1035,25 +1043,16 @@ constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = 2;
 #ifdef __CUDA_ARCH__
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
                                      int lb, int le, int tid, int nthreads) {
-  double lo = tau, hi = (double)t.lp[0];
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const int lane = tid & 31, w = tid >> 5;
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
-    int* cnt = t.scratch + (round & 1) * START_PIVOTS;  // alternate: no barrier before the next writes
-    if (w < START_PIVOTS) {
-      const double x = start_pivot(lo, hi, w + 1);
-      int n = 0;
-      for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
-      for (int p = lb + lane; p < le; p += 32) {
-        const int c = t.pos[p - lb];  // children >= x > tau: a prefix of those >= tau
-        if (c > 0) n += count_children(row, c, t.score[p], x);
-      }
-      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
-      if (lane == 0) cnt[w] = n;
+  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, -1, tid, nthreads, [&](double x, int lane) {
+    int n = 0;
+    for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
+    for (int p = lb + lane; p < le; p += 32) {
+      const int c = t.pos[p - lb];  // children >= x > tau: a prefix of those >= tau
+      if (c > 0) n += count_children(row, c, t.score[p], x);
     }
-    __syncthreads();
-    start_narrow(cnt, budget, &lo, &hi);
-  }
+    return n;
+  });
   __syncthreads();  // the counts are read before the caller's next writes to scratch
   return lo;
 }
@@ -1062,18 +1061,12 @@ __device__ double level_bound_device(const Threshold& t, const float* row, int k
 // Host twin: the same pivots and counts, one thread.
 inline double level_bound_host(const Threshold& t, const float* row, int keff, int budget, double tau, int lb,
                                int le) {
-  double lo = tau, hi = (double)t.lp[0];
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
-    int cnt[START_PIVOTS];
-    for (int v = 0; v < START_PIVOTS; ++v) {
-      const double x = start_pivot(lo, hi, v + 1);
-      cnt[v] = 0;
-      for (int i = 1; i < le; ++i) cnt[v] += t.score[i] >= x;
-      for (int p = lb; p < le; ++p) cnt[v] += count_children(row, keff, t.score[p], x);
-    }
-    start_narrow(cnt, budget, &lo, &hi);
-  }
-  return lo;
+  return pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+    int n = 0;
+    for (int i = 1; i < le; ++i) n += t.score[i] >= x;
+    for (int p = lb; p < le; ++p) n += count_children(row, keff, t.score[p], x);
+    return n;
+  });
 }
 
 KD_HD double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau, int lb, int le,
