@@ -451,7 +451,7 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 }
 
 #ifdef __CUDA_ARCH__
-constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps a narrow level may take (else the search)
+constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (rows <= 32) or parents (wider) a narrow level may take (else the search)
 
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
@@ -488,6 +488,31 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
       __syncwarp();
       return total;
     }
+  } else if (le - lb <= NARROW_BALLOT_STEPS) {
+    // Wider rows, a few parents: a parent at a time, 32 ranks a step, on until a step's
+    // ballot is not full (the children are a rank prefix). A level of one to four parents
+    // takes a step or two each, not the search, scan and owner search below. The first 32
+    // ranks and the parents' scores are read once for the whole level.
+    const unsigned below = (1u << lane) - 1u;
+    const double x0 = (double)row[lane];  // keff > 32: rank `lane` exists
+    const double sv = lb + lane < le ? t.score[lb + lane] : 0.0;
+    int total = 0;
+    for (int p = lb; p < le; ++p) {
+      const double sp = __shfl_sync(FULL_MASK, sv, p - lb);
+      for (int r0 = 0; r0 < keff; r0 += 32) {
+        const int r = r0 + lane;
+        const double x = r0 == 0 ? x0 : (r < keff ? (double)row[r] : 0.0);
+        const double sc = KD_DADD(sp, x);
+        const bool in = r < keff && sc >= tau;
+        const unsigned mask = __ballot_sync(FULL_MASK, in);
+        const int at = total + __popc(mask & below);
+        if (in && at < room) store_child(t, d, p, r, le + at, sp, x, sc);
+        total += __popc(mask);
+        if (mask != FULL_MASK) break;
+      }
+    }
+    __syncwarp();
+    return total;
   }
   const int p = lb + lane;
   const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
