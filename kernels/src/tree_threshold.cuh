@@ -853,38 +853,41 @@ KD_HD double start_pivot(double lo, double hi, int k) {
 #endif
 }
 
-// A round's step: [lo, hi] := between the highest pivot whose count holds `budget` and
-// the next one (counts fall as pivots rise).
-KD_HD void start_narrow(const int* cnt, int budget, double* lo, double* hi) {
-  int best = -1;
-  for (int v = 0; v < START_PIVOTS; ++v)
-    if (cnt[v] >= budget) best = v;
+// A round's step: [lo, hi] := between pivot best + 1, the highest whose count holds
+// `budget` (-1: none did), and the next one (counts fall as pivots rise).
+KD_HD void start_narrow(int best, double* lo, double* hi) {
   const double nlo = best >= 0 ? start_pivot(*lo, *hi, best + 1) : *lo;
   if (best + 1 < START_PIVOTS) *hi = start_pivot(*lo, *hi, best + 2);
   *lo = nlo;
 }
 
 #ifdef __CUDA_ARCH__
-// KD_START_ROUNDS rounds over [lo, hi]: warp w counts pivot w (count(x, lane): the lane's
-// share, summed over the warp), one barrier a round; returns the last pivot that held
-// `budget` (lo where none did). Round counts alternate between two scratch slots, so a
-// round writes without a barrier after the last one's reads. Profile builds stamp slot
-// `stamp` + round where stamp >= 0.
-template <class Count>
+// KD_START_ROUNDS rounds over [lo, hi]: GROUP lanes (16 or 32) count each pivot
+// (count(x, sub): the share of lane `sub` of the group, summed over it), one barrier a
+// round; returns the last pivot that held `budget` (lo where none did). The rounds are
+// issue-bound (16 warps on 4 schedulers), so a count that needs at most 16 lanes takes
+// half-warps: half the warps. Round counts alternate between two scratch slots, so a
+// round writes without a barrier after the last one's reads; each warp finds the step by
+// one ballot, not a loop over the counts in every thread (same run: 3-4% of a budget-64
+// batch at batch 16-64). Profile builds stamp slot `stamp` + round where stamp >= 0. Needs
+// nthreads >= GROUP * START_PIVOTS (the callers check, before their setup).
+template <int GROUP, class Count>
 __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, int stamp, int tid,
-                               int nthreads, Count count) {
-  if (nthreads < 32 * START_PIVOTS) return lo;  // a warp a pivot
-  const int lane = tid & 31, w = tid >> 5;
+                               Count count) {
+  static_assert(GROUP == 16 || GROUP == 32, "a pivot's lanes lie in one warp");
+  const int lane = tid & 31, v = tid / GROUP, sub = tid & (GROUP - 1);
   for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
     int* cnt = t.scratch + (round & 1) * START_PIVOTS;
-    if (w < START_PIVOTS) {
-      int n = count(start_pivot(lo, hi, w + 1), lane);
-      for (int o = 16; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
-      if (lane == 0) cnt[w] = n;
+    if (v < START_PIVOTS) {  // whole warps
+      int n = count(start_pivot(lo, hi, v + 1), sub);
+      for (int o = GROUP / 2; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
+      if (sub == 0) cnt[v] = n;
     }
     if (stamp >= 0) KD_PROF(stamp + round);
     __syncthreads();
-    start_narrow(cnt, budget, &lo, &hi);
+    const int mine = lane < START_PIVOTS ? lane : 0;
+    const unsigned held = __ballot_sync(FULL_MASK, lane < START_PIVOTS && cnt[mine] >= budget);
+    start_narrow(held ? 31 - __clz(held) : -1, &lo, &hi);
   }
   return lo;
 }
@@ -894,9 +897,10 @@ __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int bud
 template <class Count>
 inline double pivot_rounds_host(double lo, double hi, int budget, Count count) {
   for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
-    int cnt[START_PIVOTS];
-    for (int v = 0; v < START_PIVOTS; ++v) cnt[v] = count(start_pivot(lo, hi, v + 1));
-    start_narrow(cnt, budget, &lo, &hi);
+    int best = -1;
+    for (int v = 0; v < START_PIVOTS; ++v)
+      if (count(start_pivot(lo, hi, v + 1)) >= budget) best = v;
+    start_narrow(best, &lo, &hi);
   }
   return lo;
 }
@@ -930,6 +934,22 @@ KD_HD double start_safe(double lo, double tau) {
 }
 
 #ifdef __CUDA_ARCH__
+// chain(d), the heap's sum of the first d rows' first log-probs (node 0^d's score), for
+// d = `d` (0 .. L; L <= KEY_DEPTH). The loads and conversions are issued first and
+// unconditionally (a clamped row), so only the adds, in the heap's order, are dependent.
+__device__ __forceinline__ double chain_sums(const Threshold& t, int L, int d) {
+  float v[KEY_DEPTH];
+#pragma unroll
+  for (int k = 0; k < KEY_DEPTH; ++k) v[k] = t.lp[min(k, L - 1) * t.ld];
+  double c = 0.0, acc = 0.0;
+#pragma unroll
+  for (int k = 0; k <= KEY_DEPTH; ++k) {
+    if (k == d) c = acc;
+    if (k < L) acc = KD_DADD(acc, (double)v[k < KEY_DEPTH ? k : 0]);
+  }
+  return c;
+}
+
 __device__ double deviation_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                          int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
@@ -937,12 +957,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
   // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
-  double c = 0.0, acc = 0.0;
-#pragma unroll
-  for (int d = 0; d <= KEY_DEPTH; ++d) {
-    if (d == lane) c = acc;
-    if (d < L) acc = KD_DADD(acc, (double)t.lp[d * t.ld]);
-  }
+  const double c = chain_sums(t, L, lane);
   // This lane's pairs: row a and the approximate sum around lp[a][r].
   int row_of[START_SLOTS];
   double around[START_SLOTS];
@@ -957,7 +972,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, 17, tid, nthreads, [&](double x, int lane) {
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, 17, tid, [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     // dev_count over the lane's slots, steps outside: the slots' loads go out together.
     int count[START_SLOTS];
@@ -1013,19 +1028,12 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 // budget (no raises at the sweep's shapes), so it serves there.
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
-  if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const int lane = tid & 31;
-  // Unrolled over KEY_DEPTH (L <= KEY_DEPTH here): the loads and conversions leave the
-  // chain of adds (a loop to `lane` kept each step's load and conversion on it).
-  double c = 0.0, acc = 0.0;
-#pragma unroll
-  for (int d = 0; d < KEY_DEPTH; ++d) {
-    if (d == lane) c = acc;
-    if (d < L) acc = KD_DADD(acc, (double)t.lp[d * t.ld]);
-  }
+  if (nthreads < 16 * START_PIVOTS) return tau;  // a half-warp a pivot
+  // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
+  const double c = chain_sums(t, L, tid & 15);
   KD_PROF(16);
-  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, 17, tid, nthreads, [&](double x, int lane) {
-    return lane < L ? count_children(t.lp + lane * t.ld, keff, c, x) : 0;
+  const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, 17, tid, [&](double x, int d) {
+    return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
   });
 #else
   (void)tid; (void)nthreads;
@@ -1069,7 +1077,7 @@ constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = 2;
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
                                      int lb, int le, int tid, int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const double lo = pivot_rounds(t, tau, (double)t.lp[0], budget, -1, tid, nthreads, [&](double x, int lane) {
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, -1, tid, [&](double x, int lane) {
     int n = 0;
     for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
     for (int p = lb + lane; p < le; p += 32) {
