@@ -1246,6 +1246,17 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
   return le + want;
 }
 
+constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
+constexpr int DEEP_KEFF_MAX = 64;  // the widest rows whose deep trees skip the chain bound
+
+// Whether node 0^DEEP_CHAIN (L >= DEEP_CHAIN) scores about tau or above: a float sum, as it
+// only picks a bound and sits on every request's path (the heap's double sums cost more).
+KD_HD bool deep_chain(const Threshold& t, double tau) {
+  float c = 0.0f;
+  for (int d = 0; d < DEEP_CHAIN; ++d) c += t.lp[d * t.ld];
+  return (double)c >= tau;
+}
+
 // One request's selection over staged, certified rows (L <= KEY_DEPTH); chain_start: raise
 // the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
@@ -1267,9 +1278,15 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     tau = -1.0;
     for (int d = 0; d < L; ++d) tau = KD_DADD(tau, (double)t.lp[d * t.ld + keff - 1]);
   }
-  if (chain_start && (long long)L * keff >= budget)
-    tau = keff < budget ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
-                        : chain_bound(t, L, keff, budget, tau, tid, nthreads);
+  // A confident drafter's deep tree (node 0^DEEP_CHAIN above tau): its top nodes lie past a
+  // deviation (0^a r 0^b), which the chain bound misses, so its levels overflow; it takes
+  // the one-deviation bound, also where no start bound would run, but not where the chain
+  // bound runs over rows wider than DEEP_KEFF_MAX (the deviation bound's searches cost more
+  // there than the raises it saves).
+  const bool deep = L >= DEEP_CHAIN && (!chain_start || keff <= DEEP_KEFF_MAX) && deep_chain(t, tau);
+  if ((chain_start || deep) && (long long)L * keff >= budget)
+    tau = keff < budget || deep ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
+                                : chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
