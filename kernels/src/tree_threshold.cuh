@@ -546,6 +546,8 @@ __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, i
       wlb = wle;
       wle += total;
       ++wd;
+      // Profile builds: the ends of narrow levels 1-7, 10 and 13.
+      if (wd <= 7) KD_PROF(24 + wd); else if (wd == 10) KD_PROF(19); else if (wd == 13) KD_PROF(20);
     }
     if (tid == 0) { state[0] = wd; state[1] = wlb; state[2] = wle; }
   }
