@@ -1249,6 +1249,7 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
 }
 
 constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
+constexpr int DEEP_KEFF_MIN = 32;  // narrower rows: the chain bound leaves no raise to save
 constexpr int DEEP_KEFF_MAX = 64;  // the widest rows whose deep trees skip the chain bound
 
 // Whether node 0^DEEP_CHAIN (L >= DEEP_CHAIN) scores about tau or above: a float sum, as it
@@ -1282,10 +1283,11 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   }
   // A confident drafter's deep tree (node 0^DEEP_CHAIN above tau): its top nodes lie past a
   // deviation (0^a r 0^b), which the chain bound misses, so its levels overflow; it takes
-  // the one-deviation bound, also where no start bound would run, but not where the chain
-  // bound runs over rows wider than DEEP_KEFF_MAX (the deviation bound's searches cost more
-  // there than the raises it saves).
-  const bool deep = L >= DEEP_CHAIN && (!chain_start || keff <= DEEP_KEFF_MAX) && deep_chain(t, tau);
+  // the one-deviation bound, also where no start bound would run, for rows of DEEP_KEFF_MIN
+  // ranks or more, and not where the chain bound runs over rows wider than DEEP_KEFF_MAX:
+  // outside those the deviation bound costs more than the raises it saves.
+  const bool deep = L >= DEEP_CHAIN && keff >= DEEP_KEFF_MIN && (!chain_start || keff <= DEEP_KEFF_MAX) &&
+                    deep_chain(t, tau);
   if ((chain_start || deep) && (long long)L * keff >= budget)
     tau = keff < budget || deep ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
                                 : chain_bound(t, L, keff, budget, tau, tid, nthreads);
