@@ -870,9 +870,9 @@ KD_HD void start_narrow(int best, double* lo, double* hi) {
 // issue-bound (16 warps on 4 schedulers), so a count that needs at most 16 lanes takes
 // half-warps: half the warps. Round counts alternate between two scratch slots, so a
 // round writes without a barrier after the last one's reads; each warp finds the step by
-// one ballot, not a loop over the counts in every thread (same run: 3-4% of a budget-64
-// batch at batch 16-64). Profile builds stamp slot `stamp` + round where stamp >= 0. Needs
-// nthreads >= GROUP * START_PIVOTS (the callers check, before their setup).
+// one ballot, not a loop over the counts in every thread. Profile builds stamp slot
+// `stamp` + round where stamp >= 0. Needs nthreads >= GROUP * START_PIVOTS (the callers
+// check, before their setup).
 template <int GROUP, class Count>
 __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, int stamp, int tid,
                                Count count) {
