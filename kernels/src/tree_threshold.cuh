@@ -995,11 +995,16 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
 }
 #endif
 
-// Host twin: the same sums, pivots and counts, one thread.
-inline double deviation_bound_host(const Threshold& t, int L, int keff, int budget, double tau) {
-  double cs[KEY_DEPTH + 1];  // L <= KEY_DEPTH on this path
+// Host twin of chain_sums: cs[d] = chain(d) for d = 0 .. L (L <= KEY_DEPTH).
+inline void chain_sums_host(const Threshold& t, int L, double* cs) {
   cs[0] = 0.0;
   for (int d = 0; d < L; ++d) cs[d + 1] = KD_DADD(cs[d], (double)t.lp[d * t.ld]);
+}
+
+// Host twin: the same sums, pivots and counts, one thread.
+inline double deviation_bound_host(const Threshold& t, int L, int keff, int budget, double tau) {
+  double cs[KEY_DEPTH + 1];
+  chain_sums_host(t, L, cs);
   const int np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
@@ -1039,8 +1044,8 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
   });
 #else
   (void)tid; (void)nthreads;
-  double cs[KEY_DEPTH];  // L <= KEY_DEPTH on this path
-  for (int d = 0; d < L; ++d) cs[d] = d == 0 ? 0.0 : KD_DADD(cs[d - 1], (double)t.lp[(d - 1) * t.ld]);
+  double cs[KEY_DEPTH + 1];
+  chain_sums_host(t, L, cs);
   const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
     int n = 0;
     for (int d = 0; d < L; ++d) n += count_children(t.lp + d * t.ld, keff, cs[d], x);
