@@ -40,9 +40,13 @@ def drafter_logits(B: int, L: int, V: int, seed: int, coarse_fraction: float = 0
     peak = torch.randint(0, V, (B, L, 2), generator=g)
     boost = torch.rand(B, L, 2, generator=g) * 12.0 * (kind > 0.6)  # peaked rows
     x.scatter_add_(-1, peak, boost)
-    coarse = torch.rand(B, L, 1, generator=g) < coarse_fraction
-    x = torch.where(coarse, torch.round(x * 2) / 2, x)              # few levels: many ties
-    return x.to(torch.bfloat16)
+    return _coarse_rows(x, g, coarse_fraction)
+
+
+def _coarse_rows(x: torch.Tensor, g: torch.Generator, coarse_fraction: float) -> torch.Tensor:
+    """A `coarse_fraction` of the rows rounded to half units (few levels: many ties), as bf16."""
+    coarse = torch.rand(*x.shape[:-1], 1, generator=g) < coarse_fraction
+    return torch.where(coarse, torch.round(x * 2) / 2, x).to(torch.bfloat16)
 
 
 def _confident_logits(B: int, L: int, V: int, g: torch.Generator, coarse_fraction: float) -> torch.Tensor:
@@ -52,9 +56,7 @@ def _confident_logits(B: int, L: int, V: int, g: torch.Generator, coarse_fractio
     top = torch.randint(0, V, (B, L, 1), generator=g)
     tail = x.scatter(-1, top, float("-inf")).logsumexp(-1, keepdim=True)
     x.scatter_(-1, top, tail + torch.log(p / (1 - p)))  # softmax gives the top token p
-    coarse = torch.rand(B, L, 1, generator=g) < coarse_fraction
-    x = torch.where(coarse, torch.round(x * 2) / 2, x)
-    return x.to(torch.bfloat16)
+    return _coarse_rows(x, g, coarse_fraction)
 
 
 def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fraction: float = 0.3,
