@@ -180,8 +180,10 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   const bool chain_start = KD_CHAIN_GATE == 2 ||
                            (KD_CHAIN_GATE == 1 && (keff < budget || batch >= 64 || (batch >= 16 && budget >= 64) ||
                                                    (batch >= 4 && budget >= 1024)));
+  // From batch 16 a deep tree's raise would set the batch's time at any budget.
+  const int start = chain_start ? START_ALWAYS : KD_CHAIN_GATE == 1 && batch >= 16 ? START_DEEP : START_NONE;
   if (threshold && !uncertified)
-    n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, chain_start);
+    n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
   if (n < 0) {  // the warp loop: exact for any input
     if (budget > 0) flags |= KD_STATUS_WARP_LOOP;
     __syncthreads();
@@ -434,7 +436,7 @@ extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int b
   std::vector<int16_t> links(3 * (size_t)D, -1);
   const kd::Selection sel{nullptr, nodes.data(), nullptr, links.data(), links.data() + D, links.data() + 2 * D};
   int st[2] = {0, 0};
-  const int n = kd::threshold_select(t, L, K, budget, sel, 0, 1, st, true);
+  const int n = kd::threshold_select(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS);
   if (stats) { stats[0] = st[0]; stats[1] = st[1]; }
   if (n < 0) return n;
   parents[0] = -1; ranks[0] = 0; depths[0] = 0;

@@ -1265,13 +1265,17 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
   return (double)c >= tau;
 }
 
-// One request's selection over staged, certified rows (L <= KEY_DEPTH); chain_start: raise
-// the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to
+// The batch gate's answer for a request's start bound (tree_build.cu): none, only for a deep
+// tree (a batch where one request's raise sets the batch's time), or always.
+enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
+
+// One request's selection over staged, certified rows (L <= KEY_DEPTH); start (StartBound):
+// raise the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
 KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
-                           int tid, int nthreads, int* stats, bool chain_start) {
+                           int tid, int nthreads, int* stats, int start) {
   const int keff = min(budget, K);
   if (budget <= 0 || L == 0 || keff == 0) return 0;
   const int cap = t.cap;
@@ -1290,12 +1294,16 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // deviation (0^a r 0^b), which the chain bound misses, so its levels overflow; it takes
   // the one-deviation bound, also where no start bound would run, for rows of DEEP_KEFF_MIN
   // ranks or more, and not where the chain bound runs over rows wider than DEEP_KEFF_MAX:
-  // outside those the deviation bound costs more than the raises it saves.
-  const bool deep = L >= DEEP_CHAIN && keff >= DEEP_KEFF_MIN && (!chain_start || keff <= DEEP_KEFF_MAX) &&
+  // outside those the deviation bound costs more than the raises it saves. Narrower rows
+  // take the chain bound where the gate says START_DEEP (no raise left on the sweep's
+  // shapes; the deviation bound cost more there).
+  const bool chain_start = start == START_ALWAYS;
+  const bool wide = keff >= DEEP_KEFF_MIN;
+  const bool deep = L >= DEEP_CHAIN && (wide ? !chain_start || keff <= DEEP_KEFF_MAX : start == START_DEEP) &&
                     deep_chain(t, tau);
   if ((chain_start || deep) && (long long)L * keff >= budget)
-    tau = keff < budget || deep ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
-                                : chain_bound(t, L, keff, budget, tau, tid, nthreads);
+    tau = keff < budget || (deep && wide) ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
+                                          : chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
