@@ -1055,12 +1055,11 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
   return lo > tau ? lo : tau;
 }
 
-// The path key of node i's child of rank r (node i's key, which write_key wrote, with the
-// digit of depth(i) + 1 set).
-KD_HD void tie_block_key(const Threshold& t, int i, int r, uint64_t* k) {
+// Turns node i's key (write_key's) into that of its child of rank r: the digit of
+// depth(i) + 1 set.
+KD_HD void to_child_key(const Threshold& t, int i, int r) {
   const int d = ts_depth(t.meta[i]);  // the child's digit index
-  for (int w = 0; w < KEY_WORDS; ++w) k[w] = t.keys[(size_t)i * KEY_WORDS + w];
-  k[d >> 2] |= (uint64_t)(r + 1) << ((3 - (d & 3)) * 16);
+  t.keys[(size_t)i * KEY_WORDS + (d >> 2)] |= (uint64_t)(r + 1) << ((3 - (d & 3)) * 16);
 }
 
 // A raise where level d + 1 overflows (parents [lb, le) at level d): the highest pivot x
@@ -1142,7 +1141,8 @@ KD_HD bool ties_are_leaves(const Threshold& t, int L) {
 // buffer with score t (the buffer reordered so that siblings stay adjacent). Returns the
 // new le (le + want), or -1 (an inexact sum, or fewer ties than wanted: the caller's warp
 // loop then builds the tree). Scratch over t.items: lo, count, compaction slots (then
-// offsets), parents with ties, the same by rank [cap] each; path keys over lp (dead after).
+// offsets), parents with ties, the same by rank [cap] each; path keys over lp (a tied
+// parent's turned into its child lo's; dead after).
 KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int le, int want, int tid,
                       int nthreads) {
   const int cap = t.cap;
@@ -1172,6 +1172,7 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
   if (block_any(bad)) return -1;
   for (int i = tid; i < le; i += nthreads) {
     write_key(t, i);  // over lp: its last read is above
+    if (cnt[i] > 0) to_child_key(t, i, lo_of[i]);  // the block's key, once (the ranks read it nb times)
     slot[i] = cnt[i] > 0;
   }
   KD_BARRIER();
@@ -1184,11 +1185,10 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
   for (int x = tid; x < nb; x += nthreads) {
     const int i = blk[x];
     uint64_t a[KEY_WORDS];
-    tie_block_key(t, i, lo_of[i], a);
+    for (int w = 0; w < KEY_WORDS; ++w) a[w] = t.keys[(size_t)i * KEY_WORDS + w];
     int r = 0;
     for (int y = 0; y < nb; ++y) {
-      uint64_t b[KEY_WORDS];
-      tie_block_key(t, blk[y], lo_of[blk[y]], b);
+      const uint64_t* b = t.keys + (size_t)blk[y] * KEY_WORDS;
       int w = 0;
       while (w < KEY_WORDS - 1 && b[w] == a[w]) ++w;
       r += b[w] < a[w];
