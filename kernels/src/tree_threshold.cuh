@@ -451,7 +451,7 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 }
 
 #ifdef __CUDA_ARCH__
-constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (rows <= 32) or parents (wider) a narrow level may take (else the search)
+constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
 
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
@@ -513,6 +513,34 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     }
     __syncwarp();
     return total;
+  } else {
+    // Wider rows, five to 32 parents (a confident drafter's middle levels: most parents have
+    // a child or two): where no parent's child of rank G - 1 reaches tau, every parent's
+    // children lie in its first G ranks, and 32 / G parents go a ballot as for small rows.
+    // G is the least of 4, 8, 16 that holds them all (one vote each).
+    const int p = lb + lane;
+    const double sv = p < le ? t.score[p] : 0.0;
+    int lg = 0;
+    for (int g = 2; g <= 4 && lg == 0; ++g)
+      if (!__any_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau)) lg = g;
+    const int per = 32 >> lg;
+    if (lg > 0 && le - lb <= NARROW_BALLOT_STEPS * per) {
+      const int j = lane >> lg, r = lane & ((1 << lg) - 1);
+      const double x = (double)row[r];
+      const unsigned below = (1u << lane) - 1u;
+      int total = 0;
+      for (int p0 = 0; p0 < le - lb; p0 += per) {
+        const double sp = __shfl_sync(FULL_MASK, sv, p0 + j);  // p0 + j <= 31
+        const double sc = KD_DADD(sp, x);
+        const bool in = p0 + j < le - lb && sc >= tau;
+        const unsigned mask = __ballot_sync(FULL_MASK, in);
+        const int at = total + __popc(mask & below);
+        if (in && at < room) store_child(t, d, lb + p0 + j, r, le + at, sp, x, sc);
+        total += __popc(mask);
+      }
+      __syncwarp();
+      return total;
+    }
   }
   const int p = lb + lane;
   const int c = p < le ? count_children(row, keff, t.score[p], tau) : 0;
