@@ -453,6 +453,18 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 #ifdef __CUDA_ARCH__
 constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
 
+// One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
+// sp + x) is in take the next slots after `total` in lane order (parents in order, ranks
+// ascending, as the block version lays them out). Returns the step's ballot.
+__device__ __forceinline__ unsigned ballot_children(const Threshold& t, int d, bool in, int p, int r, double sp,
+                                                    double x, double sc, int le, int room, int& total) {
+  const unsigned mask = __ballot_sync(FULL_MASK, in);
+  const int at = total + __popc(mask & ((1u << (threadIdx.x & 31)) - 1u));
+  if (in && at < room) store_child(t, d, p, r, le + at, sp, x, sc);
+  total += __popc(mask);
+  return mask;
+}
+
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
 // parent's children contiguous, ranks ascending), without its atomic and barrier.
@@ -468,7 +480,6 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     const int lg = 32 - __clz(max(keff, 1) - 1), G = 1 << lg, per = 32 >> lg;
     if (le - lb <= NARROW_BALLOT_STEPS * per) {
       const int j = lane >> lg, r = lane & (G - 1);
-      const unsigned below = (1u << lane) - 1u;
       int total = 0;
       for (int p0 = lb; p0 < le; p0 += per) {
         const int p = p0 + j;
@@ -480,10 +491,7 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
           sc = KD_DADD(sp, x);
           in = sc >= tau;
         }
-        const unsigned mask = __ballot_sync(FULL_MASK, in);
-        const int at = total + __popc(mask & below);
-        if (in && at < room) store_child(t, d, p, r, le + at, sp, x, sc);
-        total += __popc(mask);
+        ballot_children(t, d, in, p, r, sp, x, sc, le, room, total);
       }
       __syncwarp();
       return total;
@@ -493,7 +501,6 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     // ballot is not full (the children are a rank prefix). A level of one to four parents
     // takes a step or two each, not the search, scan and owner search below. The first 32
     // ranks and the parents' scores are read once for the whole level.
-    const unsigned below = (1u << lane) - 1u;
     const double x0 = (double)row[lane];  // keff > 32: rank `lane` exists
     const double sv = lb + lane < le ? t.score[lb + lane] : 0.0;
     int total = 0;
@@ -503,12 +510,7 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
         const int r = r0 + lane;
         const double x = r0 == 0 ? x0 : (r < keff ? (double)row[r] : 0.0);
         const double sc = KD_DADD(sp, x);
-        const bool in = r < keff && sc >= tau;
-        const unsigned mask = __ballot_sync(FULL_MASK, in);
-        const int at = total + __popc(mask & below);
-        if (in && at < room) store_child(t, d, p, r, le + at, sp, x, sc);
-        total += __popc(mask);
-        if (mask != FULL_MASK) break;
+        if (ballot_children(t, d, r < keff && sc >= tau, p, r, sp, x, sc, le, room, total) != FULL_MASK) break;
       }
     }
     __syncwarp();
@@ -527,16 +529,11 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     if (lg > 0 && le - lb <= NARROW_BALLOT_STEPS * per) {
       const int j = lane >> lg, r = lane & ((1 << lg) - 1);
       const double x = (double)row[r];
-      const unsigned below = (1u << lane) - 1u;
       int total = 0;
       for (int p0 = 0; p0 < le - lb; p0 += per) {
         const double sp = __shfl_sync(FULL_MASK, sv, p0 + j);  // p0 + j <= 31
         const double sc = KD_DADD(sp, x);
-        const bool in = p0 + j < le - lb && sc >= tau;
-        const unsigned mask = __ballot_sync(FULL_MASK, in);
-        const int at = total + __popc(mask & below);
-        if (in && at < room) store_child(t, d, lb + p0 + j, r, le + at, sp, x, sc);
-        total += __popc(mask);
+        ballot_children(t, d, p0 + j < le - lb && sc >= tau, lb + p0 + j, r, sp, x, sc, le, room, total);
       }
       __syncwarp();
       return total;
