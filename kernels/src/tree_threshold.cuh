@@ -630,6 +630,20 @@ __device__ __forceinline__ int key_less(uint64_t u, uint64_t k0, uint64_t k1, ui
   return (int)(borrow & 1u);
 }
 
+// (u, k0, k1) < (v, l0, l1): key_less for keys of at most 8 digits (k2 = k3 = 0).
+__device__ __forceinline__ int key_less2(uint64_t u, uint64_t k0, uint64_t k1, uint64_t v, uint64_t l0,
+                                         uint64_t l1) {
+  uint32_t borrow;
+  asm("{\n\t.reg .u64 d;\n\t"
+      "sub.cc.u64 d, %1, %4;\n\t"
+      "subc.cc.u64 d, %2, %5;\n\t"
+      "subc.cc.u64 d, %3, %6;\n\t"
+      "subc.u32 %0, 0, 0;\n\t}"
+      : "=r"(borrow)
+      : "l"(k1), "l"(k0), "l"(u), "l"(l1), "l"(l0), "l"(v));
+  return (int)(borrow & 1u);
+}
+
 // A score as a key where smaller is better: scores here are <= 0 (the certificate), and
 // for those the bits order by magnitude once +0.0 is folded onto -0.0 (the sign bit set).
 __device__ __forceinline__ uint64_t score_key(double x) {
@@ -645,6 +659,12 @@ __device__ __forceinline__ int node_before(const Threshold& t, int j, uint64_t u
   return key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
 }
 
+// node_before where no node lies deeper than 8 (keys' words 2-3 are zero): a load less.
+__device__ __forceinline__ int node_before2(const Threshold& t, int j, uint64_t u, uint64_t k0, uint64_t k1) {
+  const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
+  return key_less2(score_key(t.score[j]), a.x, a.y, u, k0, k1);
+}
+
 constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (docs/kernels/tree_build.md)
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
@@ -654,8 +674,9 @@ constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (d
 // below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
 // for 32 nodes against one slice of the nodes (slices keep all warps busy at small m).
 // The split's divisions are small_div's (five integer divisions here were ~100 instructions
-// and their latency in front of the count; ncu).
-__device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
+// and their latency in front of the count; ncu). shallow: no node deeper than 8, so the
+// keys' first two words order them (the compares are shared-memory bound: a load less).
+__device__ void rank_count(const Threshold& t, int m, bool shallow, int tid, int nthreads) {
   const int lane = tid & 31, warp = tid >> 5, groups = max(1, (m + 31) >> 5);
   const int slices = max(1, small_div(nthreads >> 5, groups));
   if (warp < groups * slices) {
@@ -666,8 +687,13 @@ __device__ void rank_count(const Threshold& t, int m, int tid, int nthreads) {
     const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     int better = 0;
+    if (shallow) {
 #pragma unroll 4
-    for (int j = lo + 1; j <= hi; ++j) better += node_before(t, j, u, k0, k1, k2, k3);
+      for (int j = lo + 1; j <= hi; ++j) better += node_before2(t, j, u, k0, k1);
+    } else {
+#pragma unroll 4
+      for (int j = lo + 1; j <= hi; ++j) better += node_before(t, j, u, k0, k1, k2, k3);
+    }
     if (e < m) atomicAdd(&t.pos[e], better);
   }
   KD_PROF(9);
@@ -1424,14 +1450,16 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const int n = m < budget ? m : budget;
   if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
   // Keys (over the dead lp), then the sort of the m candidates.
+  bool deep_key = false;  // a node past depth 8: the keys' last two words are in use
   for (int i = 1 + tid; i < nS; i += nthreads) {
     write_key(t, i);
+    deep_key |= ts_depth(t.meta[i]) > 8;
     t.pos[i - 1] = 0;  // rank_sort's counters
   }
-  KD_BARRIER();
+  deep_key = block_any(deep_key);  // and the barrier before the ranks
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, tid, nthreads), true)
+  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !deep_key, tid, nthreads), true)
                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, tid, nthreads);
   if (ranked) {
     KD_PROF(4);
