@@ -49,6 +49,9 @@ struct Entry {
 };
 
 constexpr int KEY_WORDS = 4, KEY_DEPTH = 16;  // path keys: 16 digits of 16 bits
+// Depths whose digits lie in the keys' first two words: nodes no deeper are ordered by
+// those (words 2 and 3 are zero).
+constexpr int SHORT_KEY_DEPTH = 2 * (KEY_DEPTH / KEY_WORDS);
 
 struct Selection {
   Entry* overflow;         // frontier entries beyond the lanes; never more than n + 1

@@ -630,7 +630,7 @@ __device__ __forceinline__ int key_less(uint64_t u, uint64_t k0, uint64_t k1, ui
   return (int)(borrow & 1u);
 }
 
-// (u, k0, k1) < (v, l0, l1): key_less for keys of at most 8 digits (k2 = k3 = 0).
+// (u, k0, k1) < (v, l0, l1): key_less for short keys (k2 = k3 = 0).
 __device__ __forceinline__ int key_less2(uint64_t u, uint64_t k0, uint64_t k1, uint64_t v, uint64_t l0,
                                          uint64_t l1) {
   uint32_t borrow;
@@ -659,7 +659,7 @@ __device__ __forceinline__ int node_before(const Threshold& t, int j, uint64_t u
   return key_less(score_key(t.score[j]), a.x, a.y, b.x, b.y, u, k0, k1, k2, k3);
 }
 
-// node_before where no node lies deeper than 8 (keys' words 2-3 are zero): a load less.
+// node_before where no node lies deeper than SHORT_KEY_DEPTH: a load less.
 __device__ __forceinline__ int node_before2(const Threshold& t, int j, uint64_t u, uint64_t k0, uint64_t k1) {
   const ulonglong2 a = *reinterpret_cast<const ulonglong2*>(t.keys + (size_t)j * KEY_WORDS);
   return key_less2(score_key(t.score[j]), a.x, a.y, u, k0, k1);
@@ -674,9 +674,9 @@ constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (d
 // below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
 // for 32 nodes against one slice of the nodes (slices keep all warps busy at small m).
 // The split's divisions are small_div's (five integer divisions here were ~100 instructions
-// and their latency in front of the count; ncu). shallow: no node deeper than 8, so the
-// keys' first two words order them and a compare loads 16 bytes fewer.
-__device__ void rank_count(const Threshold& t, int m, bool shallow, int tid, int nthreads) {
+// and their latency in front of the count; ncu). short_keys: no node deeper than
+// SHORT_KEY_DEPTH, so the keys' first two words order them and a compare loads 16 bytes fewer.
+__device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, int nthreads) {
   const int lane = tid & 31, warp = tid >> 5, groups = max(1, (m + 31) >> 5);
   const int slices = max(1, small_div(nthreads >> 5, groups));
   if (warp < groups * slices) {
@@ -687,7 +687,7 @@ __device__ void rank_count(const Threshold& t, int m, bool shallow, int tid, int
     const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     int better = 0;
-    if (shallow) {
+    if (short_keys) {
 #pragma unroll 4
       for (int j = lo + 1; j <= hi; ++j) better += node_before2(t, j, u, k0, k1);
     } else {
@@ -1450,16 +1450,16 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const int n = m < budget ? m : budget;
   if (stats && tid == 0) { stats[0] = raises; stats[1] = m; }
   // Keys (over the dead lp), then the sort of the m candidates.
-  bool deep_key = false;  // a node past depth 8: the keys' last two words are in use
+  bool long_keys = false;  // a node deeper than SHORT_KEY_DEPTH: all four key words in use
   for (int i = 1 + tid; i < nS; i += nthreads) {
     write_key(t, i);
-    deep_key |= ts_depth(t.meta[i]) > 8;
+    long_keys |= ts_depth(t.meta[i]) > SHORT_KEY_DEPTH;
     t.pos[i - 1] = 0;  // rank_sort's counters
   }
-  deep_key = block_any(deep_key);  // and the barrier before the ranks
+  long_keys = block_any(long_keys);  // and the barrier before the ranks
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !deep_key, tid, nthreads), true)
+  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, tid, nthreads);
   if (ranked) {
     KD_PROF(4);
