@@ -714,7 +714,7 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
 #endif
 constexpr int BUCKET_MAX = KD_BUCKET_MAX;
 
-__device__ bool bucket_rank(const Threshold& t, int m, double tau, int tid, int nthreads) {
+__device__ bool bucket_rank(const Threshold& t, int m, double tau, bool short_keys, int tid, int nthreads) {
   const int nb = t.cap;
   int* start = reinterpret_cast<int*>(t.items);
   int* fill = start + nb;
@@ -747,8 +747,13 @@ __device__ bool bucket_rank(const Threshold& t, int m, double tau, int tid, int 
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     const int b0 = start[bin], b1 = b0 + fill[bin];
     int better = 0;
+    if (short_keys) {  // as in rank_count
 #pragma unroll 4
-    for (int q = b0; q < b1; ++q) better += node_before(t, members[q], u, k0, k1, k2, k3);
+      for (int q = b0; q < b1; ++q) better += node_before2(t, members[q], u, k0, k1);
+    } else {
+#pragma unroll 4
+      for (int q = b0; q < b1; ++q) better += node_before(t, members[q], u, k0, k1, k2, k3);
+    }
     t.pos[i - 1] = b0 + better;
   }
   __syncthreads();
@@ -1460,7 +1465,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
   const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
-                                         : KD_BUCKET_SORT && bucket_rank(t, m, tau, tid, nthreads);
+                                         : KD_BUCKET_SORT && bucket_rank(t, m, tau, !long_keys, tid, nthreads);
   if (ranked) {
     KD_PROF(4);
     return emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
