@@ -699,6 +699,44 @@ def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, pa
     check_attention(ops, case, kernel=verify_path)
 
 
+def ramp_keys(case, per_key: float):
+    """Scales each request's key at position pos by 1 + pos * per_key, in place: every row's
+    maximum then climbs through the keys, so the running maximum is raised deep into a split."""
+    pages, page = case.kv_cache.shape[:2]
+    factor = torch.ones(pages * page, device=DEV)
+    for b, n in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(n, device=DEV)
+        rows = case.block_table[b, pos // page].long() * page + pos % page
+        factor[rows] = 1 + pos.float() * per_key
+    case.kv_cache.mul_(factor.view(pages, page, 1).to(case.kv_cache.dtype))
+
+
+def raises_after_first_tile(case, b: int, slack: float = 8.0, tile: int = 64) -> int:
+    """How often head 0 of slot 0 of request b raises its running maximum (log2 units) past
+    `slack` after its first tile of keys (verify_common.cuh, running_max)."""
+    page = case.kv_cache.shape[1]
+    n = int(case.seq_lens[b])
+    pos = torch.arange(n, device=DEV)
+    k = case.kv_cache[case.block_table[b, pos // page].long(), pos % page].double()
+    s = (k @ case.q[b, 0, 0].double()) * SCALE * 1.4426950408889634
+    m, raises = -np.inf, 0
+    for i, mx in enumerate(s.split(tile)):
+        mx = float(mx.max())
+        if mx > m + slack:
+            m, raises = mx, raises + (i > 0)
+    return raises
+
+
+@pytest.mark.parametrize("page", [1, 64])
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_verify_attention_scores_that_climb(ops, verify_path, page, num_splits):
+    """O is rescaled only when a row's maximum passes its reference by the slack; keys whose
+    scores climb through the prefix take that path mid-split, over and over."""
+    case = paged_case([4000, 300, 2500], 16, 8, page, seed=11 + page, device=DEV)
+    ramp_keys(case, 1 / 256)
+    assert raises_after_first_tile(case, 0) >= 3  # the case does what it is for
+    check_attention(ops, case, num_splits=num_splits, kernel=verify_path)
+
 # 31 and 32 splits: the two combine layouts' boundary (a warp per half row below 32).
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 31, 32, 64, 128])
 @pytest.mark.parametrize("bits", [False, True])

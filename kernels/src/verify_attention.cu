@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float other = sMax[(half ^ 1) * ROWS + qrow + g + 8 * h];
-      const float m_new = fmaxf(m_run[h], fmaxf(mx[h], other));  // the same in both warps
+      const float m_new = running_max(m_run[h], fmaxf(mx[h], other));  // the same in both warps
       msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
       alpha[h] = exp2f(m_run[h] - msafe[h]);
       m_run[h] = m_new;

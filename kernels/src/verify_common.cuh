@@ -117,6 +117,15 @@ __device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t
   return ((size_t)page * p.page_size + off) * QK_DIM;
 }
 
+// The reference a row's P is taken against (log2 domain): raised to the tile's maximum mx
+// only when mx passes it by more than RESCALE_SLACK, so most tiles keep alpha = 1 and skip
+// the O rescale (a new maximum somewhere in a warp's 16 rows is common for ~100 tiles).
+// P <= 2^RESCALE_SLACK then: exact enough in bf16, far from overflow in l and O.
+constexpr float RESCALE_SLACK = 8.f;
+__device__ __forceinline__ float running_max(float m_run, float mx) {
+  return mx > m_run + RESCALE_SLACK ? mx : m_run;  // -inf + slack = -inf: the first keys raise it
+}
+
 // O rows g and g + 8 of a thread (o(j, 0..1) and o(j, 2..3), j < 32) times their factors,
 // only when a row maximum moved somewhere in the warp (x1.0 is exact, so skipping changes
 // nothing; once the maxima settle this saves 128 FMULs a tile).

@@ -390,7 +390,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
           for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
         float mx = fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2)) * p.scale_log2;
-        const float m_new = fmaxf(m_run[h], mx);
+        const float m_new = running_max(m_run[h], mx);
         msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
         alpha[h] = exp2f(m_run[h] - msafe[h]);
         m_run[h] = m_new;
