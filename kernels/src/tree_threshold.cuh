@@ -900,6 +900,12 @@ constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
 #ifndef KD_START_ROUNDS
 #define KD_START_ROUNDS 2  // a third round's searches cost more than the raises it saved
 #endif
+constexpr int START_ONE_ROUND_BUDGET = 16;  // up to this budget one round leaves no raise
+
+// Pivot rounds of the start and level bounds for `budget`: one round's bound is loose by a
+// 17th of the range, which small budgets absorb (budget 64 then raises: docs/kernels/tree_build.md,
+// session 26).
+KD_HD int start_rounds(int budget) { return budget <= START_ONE_ROUND_BUDGET ? 1 : KD_START_ROUNDS; }
 
 // Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
@@ -920,7 +926,7 @@ KD_HD void start_narrow(int best, double* lo, double* hi) {
 }
 
 #ifdef __CUDA_ARCH__
-// KD_START_ROUNDS rounds over [lo, hi]: GROUP lanes (16 or 32) count each pivot
+// start_rounds(budget) rounds over [lo, hi]: GROUP lanes (16 or 32) count each pivot
 // (count(x, sub): the share of lane `sub` of the group, summed over it), one barrier a
 // round; returns the last pivot that held `budget` (lo where none did). The rounds are
 // issue-bound (16 warps on 4 schedulers), so a count that needs at most 16 lanes takes
@@ -934,7 +940,7 @@ __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int bud
                                Count count) {
   static_assert(GROUP == 16 || GROUP == 32, "a pivot's lanes lie in one warp");
   const int lane = tid & 31, v = tid / GROUP, sub = tid & (GROUP - 1);
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+  for (int round = 0; round < start_rounds(budget) && hi > lo; ++round) {
     int* cnt = t.scratch + (round & 1) * START_PIVOTS;
     if (v < START_PIVOTS) {  // whole warps
       int n = count(start_pivot(lo, hi, v + 1), sub);
@@ -954,7 +960,7 @@ __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int bud
 // Host twin: the same pivots, count(x) the whole count, one thread.
 template <class Count>
 inline double pivot_rounds_host(double lo, double hi, int budget, Count count) {
-  for (int round = 0; round < KD_START_ROUNDS && hi > lo; ++round) {
+  for (int round = 0; round < start_rounds(budget) && hi > lo; ++round) {
     int best = -1;
     for (int v = 0; v < START_PIVOTS; ++v)
       if (count(start_pivot(lo, hi, v + 1)) >= budget) best = v;
