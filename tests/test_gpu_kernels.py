@@ -737,6 +737,7 @@ def test_verify_attention_scores_that_climb(ops, verify_path, page, num_splits):
     assert raises_after_first_tile(case, 0) >= 3  # the case does what it is for
     check_attention(ops, case, num_splits=num_splits, kernel=verify_path)
 
+
 # 31 and 32 splits: the two combine layouts' boundary (a warp per half row below 32).
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 31, 32, 64, 128])
 @pytest.mark.parametrize("bits", [False, True])

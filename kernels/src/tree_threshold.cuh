@@ -900,7 +900,7 @@ constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
 #ifndef KD_START_ROUNDS
 #define KD_START_ROUNDS 2  // a third round's searches cost more than the raises it saved
 #endif
-constexpr int START_ONE_ROUND_BUDGET = 16;  // up to this budget one round leaves no raise
+constexpr int START_ONE_ROUND_BUDGET = 16;  // up to this budget one round left no raise (sweep inputs)
 
 // Pivot rounds of the start and level bounds for `budget`: one round's bound is loose by a
 // 17th of the range, which small budgets absorb (budget 64 then raises: docs/kernels/tree_build.md,

@@ -119,8 +119,8 @@ __device__ __forceinline__ size_t cache_row(const VerifyParams& p, const int32_t
 
 // The reference a row's P is taken against (log2 domain): raised to the tile's maximum mx
 // only when mx passes it by more than RESCALE_SLACK, so most tiles keep alpha = 1 and skip
-// the O rescale (a new maximum somewhere in a warp's 16 rows is common for ~100 tiles).
-// P <= 2^RESCALE_SLACK then: exact enough in bf16, far from overflow in l and O.
+// the O rescale (with the exact maximum, some row of a warp's 16 moves in most of the first
+// ~100 tiles). P <= 2^RESCALE_SLACK then: exact enough in bf16, far from overflow in l and O.
 constexpr float RESCALE_SLACK = 8.f;
 __device__ __forceinline__ float running_max(float m_run, float mx) {
   return mx > m_run + RESCALE_SLACK ? mx : m_run;  // -inf + slack = -inf: the first keys raise it
