@@ -665,6 +665,23 @@ __device__ __forceinline__ int node_before2(const Threshold& t, int j, uint64_t 
   return key_less2(score_key(t.score[j]), a.x, a.y, u, k0, k1);
 }
 
+// How many of the nodes idx(q), q in [q0, q1), come before the node of score key u and path
+// key k0..k3 (the ranks' inner loop): node_before each, or node_before2 where short_keys (no
+// node deeper than SHORT_KEY_DEPTH: the keys' first two words order them, 16 bytes fewer a load).
+template <class Index>
+__device__ __forceinline__ int count_before(const Threshold& t, int q0, int q1, Index idx, bool short_keys,
+                                            uint64_t u, uint64_t k0, uint64_t k1, uint64_t k2, uint64_t k3) {
+  int better = 0;
+  if (short_keys) {
+#pragma unroll 4
+    for (int q = q0; q < q1; ++q) better += node_before2(t, idx(q), u, k0, k1);
+  } else {
+#pragma unroll 4
+    for (int q = q0; q < q1; ++q) better += node_before(t, idx(q), u, k0, k1, k2, k3);
+  }
+  return better;
+}
+
 constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (docs/kernels/tree_build.md)
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
@@ -674,8 +691,7 @@ constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (d
 // below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
 // for 32 nodes against one slice of the nodes (slices keep all warps busy at small m).
 // The split's divisions are small_div's (five integer divisions here were ~100 instructions
-// and their latency in front of the count; ncu). short_keys: no node deeper than
-// SHORT_KEY_DEPTH, so the keys' first two words order them and a compare loads 16 bytes fewer.
+// and their latency in front of the count; ncu). short_keys: as in count_before.
 __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, int nthreads) {
   const int lane = tid & 31, warp = tid >> 5, groups = max(1, (m + 31) >> 5);
   const int slices = max(1, small_div(nthreads >> 5, groups));
@@ -686,14 +702,7 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
     const uint64_t u = score_key(t.score[me]);
     const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
-    int better = 0;
-    if (short_keys) {
-#pragma unroll 4
-      for (int j = lo + 1; j <= hi; ++j) better += node_before2(t, j, u, k0, k1);
-    } else {
-#pragma unroll 4
-      for (int j = lo + 1; j <= hi; ++j) better += node_before(t, j, u, k0, k1, k2, k3);
-    }
+    const int better = count_before(t, lo + 1, hi + 1, [](int j) { return j; }, short_keys, u, k0, k1, k2, k3);
     if (e < m) atomicAdd(&t.pos[e], better);
   }
   KD_PROF(9);
@@ -746,15 +755,7 @@ __device__ bool bucket_rank(const Threshold& t, int m, double tau, bool short_ke
     const uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
     const int b0 = start[bin], b1 = b0 + fill[bin];
-    int better = 0;
-    if (short_keys) {  // as in rank_count
-#pragma unroll 4
-      for (int q = b0; q < b1; ++q) better += node_before2(t, members[q], u, k0, k1);
-    } else {
-#pragma unroll 4
-      for (int q = b0; q < b1; ++q) better += node_before(t, members[q], u, k0, k1, k2, k3);
-    }
-    t.pos[i - 1] = b0 + better;
+    t.pos[i - 1] = b0 + count_before(t, b0, b1, [&](int q) { return members[q]; }, short_keys, u, k0, k1, k2, k3);
   }
   __syncthreads();
   return true;
