@@ -168,6 +168,23 @@ def test_generated_ninja_file(tmp_path):
     assert path.stat().st_mtime_ns == mtime   # unchanged config: ninja sees nothing new
 
 
+def test_hopper_wgmma_loops_are_not_serialised(tmp_path):
+    """ptxas serialises every wgmma of a kernel when it cannot prove a loop's accumulators
+    untouched while in flight (C7510-C7520: an mbarrier wait or a wait_group after a branch
+    between wgmma groups; docs/kernels/verify_attention.md, session 27): the kernel stays
+    correct but runs at a fraction of its speed, and only ptxas's verbose output says so."""
+    nvcc = kbuild.find_nvcc()
+    flags = kbuild.compile_flags(("sm_90a",))
+    sources = sorted((kbuild.KERNELS / "src" / "sm90").glob("*.cu"))
+    assert sources
+    for src in sources:
+        out = subprocess.run([nvcc, *flags, *kbuild.gencode_flags(("sm_90a",)), "-Xptxas", "-v", "-cubin",
+                              str(src), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+        serialised = [line for line in out.stderr.splitlines() if "instructions are serialized" in line]
+        assert not serialised, (src.name, serialised)
+
+
 def test_build_without_hopper_leaves_its_folder_out(tmp_path):
     text = kbuild.write_build_ninja(tmp_path, archs=("sm_120",), nvcc="nvcc").read_text()
     assert "sm90/" not in text and "KD_HAS_SM90A" not in text
