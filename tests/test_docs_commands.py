@@ -60,6 +60,8 @@ COVERED = {
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
                                              "phase list in docs/kernels/tree_build.md (refusing other builds: "
                                              "tests/test_kernel_host.py)"),
+    "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
+                                         "tests/test_kernel_host.py"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),

@@ -420,10 +420,12 @@ def test_threshold_selection_refuses_what_it_cannot_certify(lib):
     assert threshold_select(lib, np.full((17, 4), -1.0, np.float32), 8)[0] == -2           # L > 16
 
 
-def test_profile_script_refuses_a_library_without_profile_stamps(lib_path):
-    """scripts/profile_tree_build.py needs a -DKD_BUILD_PROFILE build; given the plain library
-    it says so by name instead of failing inside ctypes."""
-    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "profile_tree_build.py"
-    r = subprocess.run([sys.executable, str(script), "--shapes", "1:16:16"], capture_output=True, text=True,
+@pytest.mark.parametrize("script,shape,flag", [("profile_tree_build.py", "1:16:16", "KD_BUILD_PROFILE"),
+                                               ("profile_verify.py", "1:16:8:1024", "KD_VERIFY_PROFILE")])
+def test_profile_script_refuses_a_library_without_profile_stamps(lib_path, script, shape, flag):
+    """The profile scripts need their profile build; given the plain library they say so by
+    name instead of failing inside ctypes."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / script
+    r = subprocess.run([sys.executable, str(path), "--shapes", shape], capture_output=True, text=True,
                        env=dict(os.environ, KDTREE_LIB=str(lib_path)), timeout=120)
-    assert r.returncode != 0 and "not a profile build (-DKD_BUILD_PROFILE)" in r.stderr, r.stdout + r.stderr
+    assert r.returncode != 0 and f"not a profile build (-D{flag})" in r.stderr, r.stdout + r.stderr
