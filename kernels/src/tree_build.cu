@@ -336,7 +336,9 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   int lp_ld = K < D - 1 ? K : D - 1;
   const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
   int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
-  int ts_cap = kd::ts_capacity(D - 1);
+  // From batch 16 the kernel's gate runs the start bound (one round of it up to
+  // CHAIN_ONE_ROUND_BUDGET), and the node buffer grows with it.
+  int ts_cap = kd::ts_capacity(D - 1, B >= 16);
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
   if (L > kd::KEY_DEPTH || smem > room) {
     // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.
@@ -420,7 +422,7 @@ extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int b
                                         int32_t* next_tok, int32_t* next_sib, int32_t* stats) {
   if (L < 0 || K < 0 || budget > 1024 || L > kd::KEY_DEPTH) return -2;
   const int keff = budget < K ? budget : K;
-  const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget);
+  const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget, true);
   std::vector<unsigned char> buf(kd::ts_smem_bytes(L, ld, cap) + 16);
   const kd::Threshold t = kd::ts_views(buf.data(), L, ld, cap);
   for (int d = 0; d < L; ++d)

@@ -62,10 +62,16 @@ KD_HD int ts_rank(uint32_t m) { return (int)((m >> 12) & 0x3ffu); }
 KD_HD int ts_depth(uint32_t m) { return (int)((m >> 22) & 0x1ffu); }
 KD_HD bool ts_inexact(uint32_t m) { return (m >> 31) != 0; }
 
-// Node buffer size for a budget: twice the next power of two (the sort pads to one).
-KD_HD int ts_capacity(int budget) {
+// Node buffer size for a budget: twice the next power of two (the sort pads to one); four
+// times up to CHAIN_ONE_ROUND_BUDGET in batches of 16 and more (`batched`: where the
+// kernel's gate runs the start bound, one round of it at these budgets, chain_pivots): its
+// tau sits lower, and ranking up to 4x the budget costs less than the raise an overflow
+// would take (docs/kernels/tree_build.md, session 28).
+constexpr int CHAIN_ONE_ROUND_BUDGET = 64;
+KD_HD int ts_capacity(int budget, bool batched) {
+  const int mult = batched && budget <= CHAIN_ONE_ROUND_BUDGET ? 4 : 2;
   int c = TS_MIN_NODES;
-  while (c < 2 * budget && c < TS_MAX_NODES) c <<= 1;
+  while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
   return c;
 }
 
@@ -908,51 +914,66 @@ constexpr int START_ONE_ROUND_BUDGET = 16;  // up to this budget one round left 
 // session 26).
 KD_HD int start_rounds(int budget) { return budget <= START_ONE_ROUND_BUDGET ? 1 : KD_START_ROUNDS; }
 
-// Pivot k (1 .. START_PIVOTS) of [lo, hi], rounded the same wherever it is computed (no
+// How the pivots of a bound's rounds lie: `pivots` (<= 32) a round over [lo, hi], evenly,
+// or (`squared`) at the squares of the even fractions, dense near lo: the budget-th score
+// of the chain's nodes lies in the lowest quarter of [tau, lp[0][0]] for 90% of the sweep's
+// requests (both drafters, budgets 64-256: session 28), so there one round of squared
+// pivots comes close to what two even rounds reach.
+struct Pivots {
+  int count, rounds;
+  bool squared;
+};
+KD_HD Pivots even_pivots(int budget) { return Pivots{START_PIVOTS, start_rounds(budget), false}; }
+
+// Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
-KD_HD double start_pivot(double lo, double hi, int k) {
+KD_HD double start_pivot(double lo, double hi, int k, const Pivots& pv) {
 #ifdef __CUDA_ARCH__
-  return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), __dmul_rn((double)k, 1.0 / (START_PIVOTS + 1))));
+  double f = __dmul_rn((double)k, 1.0 / (pv.count + 1));
+  if (pv.squared) f = __dmul_rn(f, f);
+  return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), f));
 #else
-  return lo + (hi - lo) * ((double)k * (1.0 / (START_PIVOTS + 1)));
+  double f = (double)k * (1.0 / (pv.count + 1));
+  if (pv.squared) f = f * f;
+  return lo + (hi - lo) * f;
 #endif
 }
 
 // A round's step: [lo, hi] := between pivot best + 1, the highest whose count holds
 // `budget` (-1: none did), and the next one (counts fall as pivots rise).
-KD_HD void start_narrow(int best, double* lo, double* hi) {
-  const double nlo = best >= 0 ? start_pivot(*lo, *hi, best + 1) : *lo;
-  if (best + 1 < START_PIVOTS) *hi = start_pivot(*lo, *hi, best + 2);
+KD_HD void start_narrow(int best, double* lo, double* hi, const Pivots& pv) {
+  const double nlo = best >= 0 ? start_pivot(*lo, *hi, best + 1, pv) : *lo;
+  if (best + 1 < pv.count) *hi = start_pivot(*lo, *hi, best + 2, pv);
   *lo = nlo;
 }
 
 #ifdef __CUDA_ARCH__
-// start_rounds(budget) rounds over [lo, hi]: GROUP lanes (16 or 32) count each pivot
+// pv.rounds rounds of pv.count pivots over [lo, hi]: GROUP lanes (16 or 32) count each pivot
 // (count(x, sub): the share of lane `sub` of the group, summed over it), one barrier a
 // round; returns the last pivot that held `budget` (lo where none did). The rounds are
 // issue-bound (16 warps on 4 schedulers), so a count that needs at most 16 lanes takes
 // half-warps: half the warps. Round counts alternate between two scratch slots, so a
 // round writes without a barrier after the last one's reads; each warp finds the step by
 // one ballot, not a loop over the counts in every thread. Profile builds stamp slot
-// `stamp` + round where stamp >= 0. Needs nthreads >= GROUP * START_PIVOTS (the callers
+// `stamp` + round where stamp >= 0. Needs nthreads >= GROUP * pv.count (the callers
 // check, before their setup).
 template <int GROUP, class Count>
-__device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, int stamp, int tid,
-                               Count count) {
+__device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, const Pivots& pv, int stamp,
+                               int tid, Count count) {
   static_assert(GROUP == 16 || GROUP == 32, "a pivot's lanes lie in one warp");
   const int lane = tid & 31, v = tid / GROUP, sub = tid & (GROUP - 1);
-  for (int round = 0; round < start_rounds(budget) && hi > lo; ++round) {
-    int* cnt = t.scratch + (round & 1) * START_PIVOTS;
-    if (v < START_PIVOTS) {  // whole warps
-      int n = count(start_pivot(lo, hi, v + 1), sub);
+  for (int round = 0; round < pv.rounds && hi > lo; ++round) {
+    int* cnt = t.scratch + (round & 1) * pv.count;
+    if (v < pv.count) {  // whole warps
+      int n = count(start_pivot(lo, hi, v + 1, pv), sub);
       for (int o = GROUP / 2; o > 0; o >>= 1) n += __shfl_xor_sync(FULL_MASK, n, o);
       if (sub == 0) cnt[v] = n;
     }
     if (stamp >= 0) KD_PROF(stamp + round);
     __syncthreads();
-    const int mine = lane < START_PIVOTS ? lane : 0;
-    const unsigned held = __ballot_sync(FULL_MASK, lane < START_PIVOTS && cnt[mine] >= budget);
-    start_narrow(held ? 31 - __clz(held) : -1, &lo, &hi);
+    const int mine = lane < pv.count ? lane : 0;
+    const unsigned held = __ballot_sync(FULL_MASK, lane < pv.count && cnt[mine] >= budget);
+    start_narrow(held ? 31 - __clz(held) : -1, &lo, &hi, pv);
   }
   return lo;
 }
@@ -960,12 +981,12 @@ __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int bud
 
 // Host twin: the same pivots, count(x) the whole count, one thread.
 template <class Count>
-inline double pivot_rounds_host(double lo, double hi, int budget, Count count) {
-  for (int round = 0; round < start_rounds(budget) && hi > lo; ++round) {
+inline double pivot_rounds_host(double lo, double hi, int budget, const Pivots& pv, Count count) {
+  for (int round = 0; round < pv.rounds && hi > lo; ++round) {
     int best = -1;
-    for (int v = 0; v < START_PIVOTS; ++v)
-      if (count(start_pivot(lo, hi, v + 1)) >= budget) best = v;
-    start_narrow(best, &lo, &hi);
+    for (int v = 0; v < pv.count; ++v)
+      if (count(start_pivot(lo, hi, v + 1, pv)) >= budget) best = v;
+    start_narrow(best, &lo, &hi, pv);
   }
   return lo;
 }
@@ -1037,7 +1058,8 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, 17, tid, [&](double x, int lane) {
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, even_pivots(budget), 17, tid,
+                                     [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     // dev_count over the lane's slots, steps outside: the slots' loads go out together.
     int count[START_SLOTS];
@@ -1071,7 +1093,7 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   const int np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
-  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, even_pivots(budget), [&](double x) {
     int n = 0;
     for (int d = 1; d <= L; ++d) n += cs[d] >= x;
     for (int q = 0; q < np; ++q) {
@@ -1093,23 +1115,32 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 #endif
 }
 
-// The same pivots over the chain's own nodes 0^d r only (the heap's exact sums, one binary
+// Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
-// budget (no raises at the sweep's shapes), so it serves there.
+// budget (no raises at the sweep's shapes), so it serves there. Past START_ONE_ROUND_BUDGET
+// and up to CHAIN_ONE_ROUND_BUDGET one round of 32 squared pivots (a round costs its
+// latency, ~1.3k cycles at 16 or 32 pivots), the node buffer made 4x the budget for the
+// looser tau (see ts_capacity); elsewhere the even pivots (budget 16: one round of 16 was
+// 2-4% faster than 32 squared ones at batch 16-256).
+KD_HD Pivots chain_pivots(int budget) {
+  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? Pivots{32, 1, true}
+                                                                            : even_pivots(budget);
+}
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
+  const Pivots pv = chain_pivots(budget);
 #ifdef __CUDA_ARCH__
-  if (nthreads < 16 * START_PIVOTS) return tau;  // a half-warp a pivot
+  if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
   const double c = chain_sums(t, L, tid & 15);
   KD_PROF(16);
-  const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, 17, tid, [&](double x, int d) {
+  const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
     return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
   });
 #else
   (void)tid; (void)nthreads;
   double cs[KEY_DEPTH + 1];
   chain_sums_host(t, L, cs);
-  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, pv, [&](double x) {
     int n = 0;
     for (int d = 0; d < L; ++d) n += count_children(t.lp + d * t.ld, keff, cs[d], x);
     return n;
@@ -1146,7 +1177,8 @@ constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = 2;
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
                                      int lb, int le, int tid, int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
-  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, -1, tid, [&](double x, int lane) {
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, even_pivots(budget), -1, tid,
+                                     [&](double x, int lane) {
     int n = 0;
     for (int i = 1 + lane; i < le; i += 32) n += t.score[i] >= x;
     for (int p = lb + lane; p < le; p += 32) {
@@ -1163,7 +1195,7 @@ __device__ double level_bound_device(const Threshold& t, const float* row, int k
 // Host twin: the same pivots and counts, one thread.
 inline double level_bound_host(const Threshold& t, const float* row, int keff, int budget, double tau, int lb,
                                int le) {
-  return pivot_rounds_host(tau, (double)t.lp[0], budget, [&](double x) {
+  return pivot_rounds_host(tau, (double)t.lp[0], budget, even_pivots(budget), [&](double x) {
     int n = 0;
     for (int i = 1; i < le; ++i) n += t.score[i] >= x;
     for (int p = lb; p < le; ++p) n += count_children(row, keff, t.score[p], x);
