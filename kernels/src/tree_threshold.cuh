@@ -950,13 +950,13 @@ KD_HD void start_narrow(int best, double* lo, double* hi, const Pivots& pv) {
 #ifdef __CUDA_ARCH__
 // pv.rounds rounds of pv.count pivots over [lo, hi]: GROUP lanes (16 or 32) count each pivot
 // (count(x, sub): the share of lane `sub` of the group, summed over it), one barrier a
-// round; returns the last pivot that held `budget` (lo where none did). The rounds are
-// issue-bound (16 warps on 4 schedulers), so a count that needs at most 16 lanes takes
-// half-warps: half the warps. Round counts alternate between two scratch slots, so a
-// round writes without a barrier after the last one's reads; each warp finds the step by
-// one ballot, not a loop over the counts in every thread. Profile builds stamp slot
-// `stamp` + round where stamp >= 0. Needs nthreads >= GROUP * pv.count (the callers
-// check, before their setup).
+// round; returns the last pivot that held `budget` (lo where none did). A count that needs
+// at most 16 lanes takes half-warps: 16 pivots on half the warps, or 32 on all of them in
+// about the same time (a round is latency, ~1.3k cycles). Round counts alternate between
+// two scratch slots, so a round writes without a barrier after the last one's reads; each
+// warp finds the step by one ballot, not a loop over the counts in every thread. Profile
+// builds stamp slot `stamp` + round where stamp >= 0. Needs nthreads >= GROUP * pv.count
+// (the callers check, before their setup).
 template <int GROUP, class Count>
 __device__ double pivot_rounds(const Threshold& t, double lo, double hi, int budget, const Pivots& pv, int stamp,
                                int tid, Count count) {
