@@ -294,9 +294,11 @@ def test_threshold_selection_tie_heavy(lib, seed):
         assert n >= 0, (seed, b)
 
 
-@pytest.mark.parametrize("budget", [16, 64, 256, 1024])
+@pytest.mark.parametrize("budget", [16, 17, 40, 64, 65, 256, 1024])
 def test_threshold_selection_on_sweep_inputs(lib, budget):
-    """The sweep's inputs: all certified, a few tau raises at most, sorted set <= 2x budget."""
+    """The sweep's inputs: all certified, a few tau raises at most, the sorted set within
+    the node buffer (4x the budget where the start bound takes one round of squared pivots,
+    budgets 17-64; else 2x). Budgets 16/17 and 64/65 sit on both sides of that rule."""
     raises = []
     for cf in (0.3, 1.0):
         lp, ids = stage_a_inputs(12, 15, 8192, budget, seed=7 * budget + int(cf * 10), coarse_fraction=cf)
