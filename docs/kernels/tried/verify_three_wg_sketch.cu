@@ -18,10 +18,6 @@
 #include "../../../kernels/src/sm90/wgmma.cuh"
 
 namespace kd {
-__device__ __forceinline__ uint32_t pk(float a, float b) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&h);
-}
 // d (64x64 f32) += A (64x16 in registers) * B (16x64, K-major, SW128).
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
   asm volatile(
@@ -116,8 +112,8 @@ three_wg(const __nv_bfloat16* __restrict__ q, __nv_bfloat16* __restrict__ out, f
         const float p3 = exp2f(fmaf(sc[4 * j + 3], scale_log2, -msafe[1]));
         sum[0] += p0 + p1; sum[1] += p2 + p3;
         const int r = warp * 16 + g;
-        *reinterpret_cast<uint32_t*>(box + r * BLOCK + ((j ^ g) << 4) + 4 * t) = pk(p0, p1);
-        *reinterpret_cast<uint32_t*>(box + (r + 8) * BLOCK + ((j ^ g) << 4) + 4 * t) = pk(p2, p3);
+        *reinterpret_cast<uint32_t*>(box + r * BLOCK + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(box + (r + 8) * BLOCK + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
