@@ -62,19 +62,6 @@ KD_HD int ts_rank(uint32_t m) { return (int)((m >> 12) & 0x3ffu); }
 KD_HD int ts_depth(uint32_t m) { return (int)((m >> 22) & 0x1ffu); }
 KD_HD bool ts_inexact(uint32_t m) { return (m >> 31) != 0; }
 
-// Node buffer size for a budget: twice the next power of two (the sort pads to one); four
-// times up to CHAIN_ONE_ROUND_BUDGET in batches of 16 and more (`batched`: where the
-// kernel's gate runs the start bound, one round of it at these budgets, chain_pivots): its
-// tau sits lower, and ranking up to 4x the budget costs less than the raise an overflow
-// would take (docs/kernels/tree_build.md, session 28).
-constexpr int CHAIN_ONE_ROUND_BUDGET = 64;
-KD_HD int ts_capacity(int budget, bool batched) {
-  const int mult = batched && budget <= CHAIN_ONE_ROUND_BUDGET ? 4 : 2;
-  int c = TS_MIN_NODES;
-  while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
-  return c;
-}
-
 struct SortItem {
   double score;
   uint64_t k0;  // first word of the path key: most ties are settled in registers
@@ -919,21 +906,26 @@ KD_HD int start_rounds(int budget) { return budget <= START_ONE_ROUND_BUDGET ? 1
 // of the chain's nodes lies in the lowest quarter of [tau, lp[0][0]] for 90% of the sweep's
 // requests (both drafters, budgets 64-256: session 28), so there one round of squared
 // pivots comes close to what two even rounds reach.
+// `step` is 1 / (count + 1), built from constants where a Pivots is made: no division
+// on the latency-bound start path.
 struct Pivots {
   int count, rounds;
   bool squared;
+  double step;
 };
-KD_HD Pivots even_pivots(int budget) { return Pivots{START_PIVOTS, start_rounds(budget), false}; }
+KD_HD Pivots even_pivots(int budget) {
+  return Pivots{START_PIVOTS, start_rounds(budget), false, 1.0 / (START_PIVOTS + 1)};
+}
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
 KD_HD double start_pivot(double lo, double hi, int k, const Pivots& pv) {
 #ifdef __CUDA_ARCH__
-  double f = __dmul_rn((double)k, 1.0 / (pv.count + 1));
+  double f = __dmul_rn((double)k, pv.step);
   if (pv.squared) f = __dmul_rn(f, f);
   return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), f));
 #else
-  double f = (double)k * (1.0 / (pv.count + 1));
+  double f = (double)k * pv.step;
   if (pv.squared) f = f * f;
   return lo + (hi - lo) * f;
 #endif
@@ -1122,10 +1114,24 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 // latency, ~1.3k cycles at 16 or 32 pivots), the node buffer made 4x the budget for the
 // looser tau (see ts_capacity); elsewhere the even pivots (budget 16: one round of 16 was
 // 2-4% faster than 32 squared ones at batch 16-256).
+constexpr int CHAIN_ONE_ROUND_BUDGET = 64;
 KD_HD Pivots chain_pivots(int budget) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? Pivots{32, 1, true}
+  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? Pivots{32, 1, true, 1.0 / 33}
                                                                             : even_pivots(budget);
 }
+
+// Node buffer size for a budget: twice the next power of two (the sort pads to one); four
+// times where the start bound takes one round of squared pivots (`batched`: batches of 16
+// and more, where the kernel's gate runs it): its tau sits lower, and ranking up to 4x the
+// budget costs less than the raise an overflow would take (docs/kernels/tree_build.md,
+// session 28). At budgets <= 16 both give the TS_MIN_NODES minimum.
+KD_HD int ts_capacity(int budget, bool batched) {
+  const int mult = batched && chain_pivots(budget).squared ? 4 : 2;
+  int c = TS_MIN_NODES;
+  while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
+  return c;
+}
+
 KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   const Pivots pv = chain_pivots(budget);
 #ifdef __CUDA_ARCH__
