@@ -9,7 +9,9 @@
 //        -Xptxas -v -cubin -o /tmp/sketch.cubin docs/kernels/tried/verify_three_wg_sketch.cu
 // What it said (CUDA 13.0): 168 registers at launch (384 threads), no spills with setmaxnreg
 // 192 / 160 / 160; 96 bytes of spills at 176 / 168 / 168 and 132 without setmaxnreg; no wgmma
-// serialisation.
+// serialisation. But a launch of 384 threads gives the CTA a pool of 168 registers a thread,
+// and setmaxnreg draws only on it: 192 + 160 + 160 cannot be granted (504 at most), and at
+// 184 / 160 / 160 the full kernel serialises its wgmmas (session 29: run, 1.31-1.51x slower).
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
