@@ -54,6 +54,26 @@ def test_torch_ops_are_registered_with_fake_implementations():
         assert idx.shape == (B, 16) and idx.dtype == torch.int32 and n.shape == (B,) and bonus.dtype == torch.int64
 
 
+def test_torch_ops_name_the_argument_on_cpu_tensors():
+    """A CPU tensor reaches the op's own checks (an InputError naming it), not the dispatcher."""
+    from kdtree import InputError
+
+    lp = torch.randn(2, 3, 4).sort(-1, descending=True).values.log_softmax(-1)
+    ids = torch.zeros(2, 3, 4, dtype=torch.int64)
+    budgets = torch.full((2,), 3, dtype=torch.int32)
+    with pytest.raises(InputError, match="top_logprobs: expected a CUDA tensor"):
+        torch.ops.kdtree.tree_build(lp, ids, budgets, None, None, 4)
+    tokens = torch.zeros(2, 5, dtype=torch.int64)
+    parents = torch.full((2, 5), -1, dtype=torch.int32)
+    with pytest.raises(InputError, match="expected a CUDA tensor"):
+        torch.ops.kdtree.tree_accept(tokens, tokens, 4, parents, torch.ones(2, dtype=torch.int32), None, None)
+    q = torch.zeros(1, 2, 8, 576, dtype=torch.bfloat16)
+    with pytest.raises(InputError, match="q: expected a CUDA tensor"):
+        torch.ops.kdtree.tree_verify(q, torch.zeros(4, 64, 576, dtype=torch.bfloat16),
+                                     torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                     torch.ones(1, 2, 2, dtype=torch.bool), 0.1)
+
+
 def test_gpu_test_gate_fails_when_nothing_ran():
     row = lambda outcome: {"test_id": "t", "outcome": outcome, "duration_s": 0.0, "message": "no CUDA device"}
     assert gate([], 5) == 1                                   # none collected
