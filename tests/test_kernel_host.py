@@ -3,6 +3,7 @@ code (tree_select.cuh, compiled for the host) against the CPU reference."""
 import ctypes
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -168,7 +169,7 @@ def test_generated_ninja_file(tmp_path):
     assert path.stat().st_mtime_ns == mtime   # unchanged config: ninja sees nothing new
 
 
-def test_hopper_wgmma_loops_are_not_serialised(tmp_path):
+def test_hopper_wgmma_loops_are_not_serialised_nor_spilled(tmp_path):
     """ptxas serialises every wgmma of a kernel when it cannot prove a loop's accumulators
     untouched while in flight (C7510-C7520: an mbarrier wait or a wait_group after a branch
     between wgmma groups; docs/kernels/verify_attention.md, session 27): the kernel stays
@@ -184,6 +185,10 @@ def test_hopper_wgmma_loops_are_not_serialised(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         serialised = [line for line in out.stderr.splitlines() if "instructions are serialized" in line]
         assert not serialised, (src.name, serialised)
+        # Nor spills: each wgmma kernel holds its accumulators in registers to the last one.
+        spills = [m.group(0) for m in re.finditer(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
+                  if m.group(1) != "0" or m.group(2) != "0"]
+        assert not spills, (src.name, spills)
 
 
 def test_build_without_hopper_leaves_its_folder_out(tmp_path):
