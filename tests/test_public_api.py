@@ -65,7 +65,7 @@ def test_torch_ops_name_the_argument_on_cpu_tensors():
         torch.ops.kdtree.tree_build(lp, ids, budgets, None, None, 4)
     tokens = torch.zeros(2, 5, dtype=torch.int64)
     parents = torch.full((2, 5), -1, dtype=torch.int32)
-    with pytest.raises(InputError, match="expected a CUDA tensor"):
+    with pytest.raises(InputError, match="tokens: expected a CUDA tensor"):
         torch.ops.kdtree.tree_accept(tokens, tokens, 4, parents, torch.ones(2, dtype=torch.int32), None, None)
     q = torch.zeros(1, 2, 8, 576, dtype=torch.bfloat16)
     with pytest.raises(InputError, match="q: expected a CUDA tensor"):
