@@ -1137,7 +1137,13 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
 #ifdef __CUDA_ARCH__
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
-  const double c = chain_sums(t, L, tid & 15);
+  // Made once, by warp 0's first 16 lanes, into the node buffer's scores 1..16 (free until
+  // the enumeration, whose first writes there follow a barrier), not in every thread: each
+  // thread's 16 float-to-double conversions queue on the conversion pipe, which batches of
+  // more requests than SMs share (docs/kernels/tree_build.md, session 29).
+  if (tid < 16) t.score[1 + tid] = chain_sums(t, L, tid);
+  __syncthreads();
+  const double c = t.score[1 + (tid & 15)];
   KD_PROF(16);
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
     return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
