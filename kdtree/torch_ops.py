@@ -9,7 +9,7 @@ static memory). ``tree_build`` needs ``d_max`` (no data-dependent shapes); the e
 
 Registered with ``torch.library.Library`` (a schema, a CUDA kernel, a fake), not
 ``torch.library.custom_op``: the latter wraps every eager call in Python layers (an autograd
-kernel, an output-aliasing check): 14-23 us a call more on the H200 host. The ops are
+kernel, an output-aliasing check): ~15 us a call more on the H200 host. The ops are
 inference-only (no autograd formula). The CPU key takes the same kernel, so a CPU tensor gets
 kdtree's InputError naming the argument, not the dispatcher's "no kernel for CPU".
 """
