@@ -906,16 +906,17 @@ KD_HD int start_rounds(int budget) { return budget <= START_ONE_ROUND_BUDGET ? 1
 // of the chain's nodes lies in the lowest quarter of [tau, lp[0][0]] for 90% of the sweep's
 // requests (both drafters, budgets 64-256: session 28), so there one round of squared
 // pivots comes close to what two even rounds reach.
-// `step` is 1 / (count + 1), built from constants where a Pivots is made: no division
-// on the latency-bound start path.
+// `step` is 1 / (count + 1), made by make_pivots from the constant counts its callers
+// pass: no division on the latency-bound start path.
 struct Pivots {
   int count, rounds;
   bool squared;
   double step;
 };
-KD_HD Pivots even_pivots(int budget) {
-  return Pivots{START_PIVOTS, start_rounds(budget), false, 1.0 / (START_PIVOTS + 1)};
+KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
+  return Pivots{count, rounds, squared, 1.0 / (count + 1)};
 }
+KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
@@ -1116,7 +1117,7 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 // 2-4% faster than 32 squared ones at batch 16-256).
 constexpr int CHAIN_ONE_ROUND_BUDGET = 64;
 KD_HD Pivots chain_pivots(int budget) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? Pivots{32, 1, true, 1.0 / 33}
+  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? make_pivots(32, 1, true)
                                                                             : even_pivots(budget);
 }
 
