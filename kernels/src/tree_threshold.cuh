@@ -1029,6 +1029,17 @@ __device__ __forceinline__ double chain_sums(const Threshold& t, int L, int d) {
   return c;
 }
 
+// chain(0 .. KEY_DEPTH) made once a CTA, by warp 0's first lanes, into the node buffer's
+// scores 1 .. KEY_DEPTH + 1 (free until the enumeration, whose first writes there follow a
+// barrier), then a barrier: in every thread, the 16 float-to-double conversions queue on
+// the conversion pipe, which batches of more requests than SMs share (docs/kernels/
+// tree_build.md, session 29). Every thread of the CTA calls it; read back with chain_at.
+__device__ __forceinline__ void share_chain_sums(const Threshold& t, int L, int tid) {
+  if (tid <= KEY_DEPTH) t.score[1 + tid] = chain_sums(t, L, tid);
+  __syncthreads();
+}
+__device__ __forceinline__ double chain_at(const Threshold& t, int d) { return t.score[1 + d]; }
+
 __device__ double deviation_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                          int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
@@ -1036,7 +1047,8 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
   // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
-  const double c = chain_sums(t, L, lane);
+  share_chain_sums(t, L, tid);
+  const double c = chain_at(t, min(lane, KEY_DEPTH));
   // This lane's pairs: row a and the approximate sum around lp[a][r].
   int row_of[START_SLOTS];
   double around[START_SLOTS];
@@ -1138,13 +1150,8 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
 #ifdef __CUDA_ARCH__
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
-  // Made once, by warp 0's first 16 lanes, into the node buffer's scores 1..16 (free until
-  // the enumeration, whose first writes there follow a barrier), not in every thread: each
-  // thread's 16 float-to-double conversions queue on the conversion pipe, which batches of
-  // more requests than SMs share (docs/kernels/tree_build.md, session 29).
-  if (tid < 16) t.score[1 + tid] = chain_sums(t, L, tid);
-  __syncthreads();
-  const double c = t.score[1 + (tid & 15)];
+  share_chain_sums(t, L, tid);
+  const double c = chain_at(t, tid & 15);
   KD_PROF(16);
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
     return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
