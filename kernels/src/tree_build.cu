@@ -217,15 +217,11 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     const bool live = i <= n;
     const uint32_t node = s_nodes[i];
     const int depth = i == 0 ? 0 : (live ? node_depth(node) : 1);
+    // The token's load is issued first and stored last: the ancestor walk (up to L
+    // dependent shared loads) runs under its global round trip instead of after it.
     int64_t tok;
     if (i == 0) tok = root_tokens ? root_tokens[b] : PAD_TOKEN;
     else tok = live ? ids[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
-    tokens[row0 + i] = tok;
-    depths[row0 + i] = depth;
-    parents[row0 + i] = i == 0 ? -1 : (live ? node_parent(node) : 0);
-    positions[row0 + i] = prefix + depth;
-    next_token[row0 + i] = live ? sel.next_token[i] : -1;
-    next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
     if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
       uint32_t row = 0;
       for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
@@ -239,6 +235,12 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int w = 0; w < W; ++w) row[w] = 0;
       for_each_ancestor(s_nodes, i, n, D, [&](int a) { row[a >> 5] |= 1u << (a & 31); });
     }
+    depths[row0 + i] = depth;
+    parents[row0 + i] = i == 0 ? -1 : (live ? node_parent(node) : 0);
+    positions[row0 + i] = prefix + depth;
+    next_token[row0 + i] = live ? sel.next_token[i] : -1;
+    next_sibling[row0 + i] = live ? sel.next_sibling[i] : -1;
+    tokens[row0 + i] = tok;
   }
   if (tid == 0) { node_counts[b] = n; status[b] = flags; }
   KD_PROF(6);
