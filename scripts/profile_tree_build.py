@@ -73,7 +73,7 @@ def main():
         print(f"B {B} budget {budget} K {K}: cycles max {cyc.max()} p90 {int(np.percentile(cyc, 90))} "
               f"median {int(np.median(cyc))} min {cyc.min()}")
         print("  slowest (cycles, (raises, candidates)):", [(int(cyc[i]), stats[i]) for i in order[:6]])
-        for b in (int(order[0]), int(order[len(order) // 2])):
+        for b in dict.fromkeys((int(order[0]), int(order[len(order) // 2]))):  # slowest, median (once at B 1)
             stamps = (ctypes.c_longlong * 32)()
             lib.kd_build_profile_block(b)
             launch(1)
