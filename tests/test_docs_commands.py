@@ -60,6 +60,12 @@ COVERED = {
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
                                              "phase list in docs/kernels/tree_build.md (refusing other builds: "
                                              "tests/test_kernel_host.py)"),
+    "ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats "
+    "--section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64":
+        ("gpu", "session 31's stall sampling on the H200 (docs/kernels/tree_build.md)"),
+    "ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv": ("gpu", "the same run's export"),
+    "python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst": ("run", None),
+    "scripts/ncu_stalls.py": ("run", None),
     "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
                                          "tests/test_kernel_host.py"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
@@ -130,6 +136,28 @@ def test_ab_compare_reads_an_ab_folder(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "0.9" in r.stdout, r.stderr
+
+
+def test_ncu_stalls_summarises_a_source_page(tmp_path):
+    header = ('"Address","Source","# Samples","Instructions Executed","stall_barrier","stall_no_inst",'
+              '"stall_no_inst (Not Issued)","stall_wait"')
+    rows = ['"0x7f0000000000","LDC R1, c[0x0][0x28]","40","2048","0","30","30","10"',
+            '"0x7f0000000010","S2R R5, SR_CTAID.X","2","2048","0","0","0","2"',
+            '"0x7f0000000200","BSYNC B0","58","2048","8","50","50","0"']
+    csv_path = tmp_path / "tb.csv"
+    csv_path.write_text('"Kernel Name","build_trees_kernel"\n' + "\n".join([header, *rows]) + "\n")
+    cmd = [sys.executable, str(ROOT / "scripts" / "ncu_stalls.py"), "summary", str(csv_path), "--top", "2"]
+    r = subprocess.run(cmd + ["--reason", "no_inst"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "100 samples" in r.stdout and "no_inst" in r.stdout and "80.0%" in r.stdout
+    assert "top 2 instructions by no_inst: 80 of 80 samples" in r.stdout
+    assert "+0x00200" in r.stdout and "BSYNC B0" in r.stdout and "S2R" not in r.stdout.split("top 2")[1]
+    bad = subprocess.run(cmd + ["--reason", "nonsense"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--reason: expected one of" in bad.stderr
+    other = tmp_path / "other.csv"
+    other.write_text("a,b\n1,2\n")
+    bad = subprocess.run(cmd[:3] + [str(other)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "expected `ncu --page source --csv` output" in bad.stderr
 
 
 def test_no_link_leaves_the_repository():

@@ -1,0 +1,89 @@
+"""Where a kernel's warps wait, per SASS instruction, from Nsight Compute's warp-state sampling.
+
+Two modes. `launch B:budget:K` builds trees on the tree-build sweep's inputs (stage_a_inputs,
+L 15, V 8192, its seeds) four times, for ncu to capture one launch; `summary FILE` reads ncu's
+source page exported as CSV and prints the stall reasons' shares of all samples and the
+instructions that hold most samples of one reason (offsets from the kernel's first
+instruction). On the H200 (docs/kernels/tree_build.md, session 31; the library's build carries
+line info):
+
+        ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64
+    ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv
+    python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst
+"""
+import argparse
+import csv
+import sys
+
+
+def launch(shape: str) -> None:
+    import torch
+
+    from kdtree import ops
+    from kdtree.harness.workloads import stage_a_inputs
+
+    B, budget, K = (int(x) for x in shape.split(":"))
+    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget, drafts="mixed")  # the sweep's seed
+    lp, ids = lp.cuda(), ids.cuda()
+    budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
+    out = ops.tree_build(lp, ids, budgets, d_max=budget + 1)
+    for _ in range(3):
+        out = ops.tree_build(lp, ids, budgets, d_max=budget + 1, out=out)
+    torch.cuda.synchronize()
+
+
+def read_source_csv(path: str) -> list[dict]:
+    """Rows of ncu's source-page CSV: its first line names the kernel, the second the columns."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
+    if start is None:
+        raise SystemExit(f"{path}: no '\"Address\",...' header line: expected `ncu --page source --csv` output")
+    return list(csv.DictReader(lines[start:]))
+
+
+def number(text: str) -> float:
+    try:
+        return float(str(text).replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def summary(path: str, reason: str, top: int) -> None:
+    rows = read_source_csv(path)
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
+    if f"stall_{reason}" not in reasons:
+        raise SystemExit(f"--reason: expected one of {[r[6:] for r in reasons]}, got {reason!r}")
+    totals = {r: sum(number(row[r]) for row in rows) for r in reasons}
+    samples = sum(number(row.get("# Samples", 0)) for row in rows) or 1.0
+    print(f"{path}: {len(rows)} instructions, {samples:.0f} samples")
+    for r, v in sorted(totals.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {r[6:]:16s} {v:7.0f}  {v / samples:6.1%}")
+    base = min(int(row["Address"], 16) for row in rows)
+    key = f"stall_{reason}"
+    hot = sorted(rows, key=lambda row: -number(row[key]))[:top]
+    held = sum(number(row[key]) for row in hot)
+    print(f"top {top} instructions by {reason}: {held:.0f} of {totals[key]:.0f} samples")
+    for row in sorted(hot, key=lambda row: int(row["Address"], 16)):
+        print(f"  +{int(row['Address'], 16) - base:#07x} {number(row[key]):6.0f}  executed "
+              f"{number(row.get('Instructions Executed', 0)):8.0f}  {row['Source'].strip()}")
+
+
+def main(argv=None) -> None:
+    a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = a.add_subparsers(dest="mode", required=True)
+    la = sub.add_parser("launch", help="build trees for ncu to capture (needs a GPU)")
+    la.add_argument("shape", help="batch:budget:K")
+    su = sub.add_parser("summary", help="stall shares and hot instructions of an ncu source CSV")
+    su.add_argument("csv")
+    su.add_argument("--reason", default="no_inst", help="the stall reason to rank instructions by")
+    su.add_argument("--top", type=int, default=20)
+    args = a.parse_args(argv)
+    if args.mode == "launch":
+        launch(args.shape)
+    else:
+        summary(args.csv, args.reason, args.top)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
