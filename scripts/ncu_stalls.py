@@ -7,7 +7,7 @@ instructions that hold most samples of one reason (offsets from the kernel's fir
 instruction). On the H200 (docs/kernels/tree_build.md, session 31; the library's build carries
 line info):
 
-        ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64
+    ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64
     ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv
     python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst
 """
@@ -51,7 +51,9 @@ def number(text: str) -> float:
 
 def summary(path: str, reason: str, top: int) -> None:
     rows = read_source_csv(path)
-    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c] if rows else []
+    if not rows:
+        raise SystemExit(f"{path}: a header but no instruction rows")
+    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
     if f"stall_{reason}" not in reasons:
         raise SystemExit(f"--reason: expected one of {[r[6:] for r in reasons]}, got {reason!r}")
     totals = {r: sum(number(row[r]) for row in rows) for r in reasons}
