@@ -20,10 +20,11 @@ def launch(shape: str) -> None:
     import torch
 
     from kdtree import ops
+    from kdtree.harness.sweeps.tree_build import point_seed
     from kdtree.harness.workloads import stage_a_inputs
 
     B, budget, K = (int(x) for x in shape.split(":"))
-    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget, drafts="mixed")  # the sweep's seed
+    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts="mixed")
     lp, ids = lp.cuda(), ids.cuda()
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
     out = ops.tree_build(lp, ids, budgets, d_max=budget + 1)

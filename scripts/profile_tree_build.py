@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kdtree import ops
+from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 
 SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 21: "raised",
@@ -53,7 +54,7 @@ def main():
         raise SystemExit("KDTREE_LIB is not a profile build (-DKD_BUILD_PROFILE)")
     for shape in args.shapes:
         B, budget, K = (int(x) for x in shape.split(":"))
-        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B * 7919 + budget, drafts=args.drafts)  # the sweep's seed
+        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts=args.drafts)
         lpd, idsd = lp.cuda(), ids.cuda()
         budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
 

@@ -12,6 +12,12 @@ from ..workloads import DRAFTS, stage_a_inputs
 from .runner import run_sweep
 
 
+def point_seed(seed: int, batch: int, budget: int) -> int:
+    """The seed of one point's stage-A inputs (the profiling scripts reproduce a point of the
+    default config, seed 0, with it)."""
+    return seed + batch * 7919 + budget
+
+
 def sglang_builder():
     """SGLang's own DDTree builder, if this environment has one (else None)."""
     if importlib.util.find_spec("sglang") is None:
@@ -30,7 +36,7 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     B, budget, L, V = p["batch"], p["budget"], cfg["L"], cfg["vocab"]
     # K = min(budget, vocab, max_topk): a drafter's top-k is often capped below the budget
     topk = min(budget, V, cfg.get("max_topk") or budget)
-    lp, ids = stage_a_inputs(B, L, V, topk, seed=cfg["seed"] + B * 7919 + budget, drafts=p["drafts"])
+    lp, ids = stage_a_inputs(B, L, V, topk, seed=point_seed(cfg["seed"], B, budget), drafts=p["drafts"])
     p = dict(p, topk=lp.shape[-1])
     lp_np, ids_np = lp.numpy(), ids.numpy()
     rows = []
