@@ -66,6 +66,8 @@ COVERED = {
     "ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv": ("gpu", "the same run's export"),
     "python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst": ("run", None),
     "scripts/ncu_stalls.py": ("run", None),
+    "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
+                                              "docs/kernels/verify_attention.md)"),
     "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
                                          "tests/test_kernel_host.py"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
