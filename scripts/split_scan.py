@@ -5,14 +5,13 @@ rotating cache copies (L2 cold), as the verify sweep times them; one Parquet row
     python3 scripts/split_scan.py OUT.parquet [--heads 8 16] [--slots 1] [--prefixes 8192 32768]
 """
 import argparse
-import math
 
 import pandas as pd
 import torch
 
 from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
-from kdtree.harness.sweeps.verify_attn import floor_us, gpu_case
+from kdtree.harness.sweeps.verify_attn import cache_copies, floor_us, gpu_case, replay_inner
 from kdtree.harness.timing import time_graph
 from kdtree.reference.attention import attention_bytes
 
@@ -29,13 +28,12 @@ def main():
     args = a.parse_args()
     copy_gbps = measure_ceilings()["copy_gbps"]
     rows = []
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     for H in args.heads:
         for D in args.slots:
             for P in args.prefixes:
                 for B in args.batches:
                     q, cache, table, seq, vis = gpu_case(B, D, H, P, args.page, seed=B + D + H + P)
-                    copies = max(1, min(64, math.ceil(2 * l2 / (cache.numel() * 2))))
+                    copies = cache_copies(cache, cap=64)
                     caches = [cache] + [cache.clone() for _ in range(copies - 1)]
                     nbytes = attention_bytes(B, D, H, P)
                     for s in [None] + args.splits:
@@ -44,7 +42,7 @@ def main():
                         turn = iter(range(1 << 30))
                         fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, 0.130861,
                                                      num_splits=s, out=out)
-                        t = time_graph(fn, replays=10, inner=copies * max(1, math.ceil(3 / copies)))
+                        t = time_graph(fn, replays=10, inner=replay_inner(copies, 3))
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
                                          forced=s or 0, num_splits=plan.num_splits, kernel=plan.name,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),

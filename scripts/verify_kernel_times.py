@@ -6,13 +6,12 @@ shape; the table behind session 32's memory-bound reading in docs/kernels/verify
     python3 scripts/verify_kernel_times.py --shapes 16:8:1:8192:64 16:8:1:8192:1 1:8:1:8192:64
 """
 import argparse
-import math
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kdtree import ops
-from kdtree.harness.sweeps.verify_attn import gpu_case
+from kdtree.harness.sweeps.verify_attn import cache_copies, gpu_case, replay_inner
 from kdtree.harness.timing import capture_graph, time_graph
 
 SCALE = 0.130861
@@ -46,15 +45,14 @@ def main():
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a.add_argument("--shapes", type=shape, nargs="+", required=True, help="B:H:D:P:page_size")
     args = a.parse_args()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print("| B | H | D | P | page | plan | a call (us) | kernels a call (us) |")
     print("|---|---|---|---|---|---|---|---|")
     for B, H, D, P, page in args.shapes:
         q, cache, table, seq, vis = gpu_case(B, D, H, P, page, seed=B + D + H + P, layout="runs")
-        copies = max(1, min(128, math.ceil(2 * l2 / (cache.numel() * 2))))
+        copies = cache_copies(cache)
         caches = [cache] + [cache.clone() for _ in range(copies - 1)]
         out = ops.tree_verify(q, cache, table, seq, vis, SCALE)
-        inner = copies * max(1, math.ceil(5 / copies))
+        inner = replay_inner(copies, 5)
         turn = iter(range(1 << 30))
         fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, SCALE, out=out)
         t = time_graph(fn, replays=20, inner=inner)

@@ -102,6 +102,21 @@ def flashmla_row(base: dict, q, caches, table, seq, scale, cfg, inner) -> dict:
                 copy_fraction=base["bytes"] / (t["median_us"] * 1e-6) / (base["copy_gbps"] * 1e9), **t)
 
 
+def cache_copies(cache, cap: int = 128) -> int:
+    """How many copies of `cache` a timing rotates through: enough that one pass over them
+    exceeds twice the L2, so a replay reads HBM as a real decode step does (spec pipeline.md:
+    never time the cache); at most `cap`."""
+    import torch
+
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(cap, math.ceil(2 * l2 / max(cache.numel() * 2, 1))))
+
+
+def replay_inner(copies: int, want: int) -> int:
+    """Calls a captured graph holds: at least `want`, a whole number of passes over the copies."""
+    return copies * max(1, math.ceil(want / copies))
+
+
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     import torch
 
@@ -115,14 +130,11 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     layout = cfg.get("table_layout", "scattered")
     q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, layout)
     scale = cfg["scale"]
-    # Rotate through enough cache copies that one pass over them exceeds twice the L2, so a
-    # replay reads HBM as a real decode step does (spec pipeline.md: never time the cache).
-    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    copies = max(1, min(128, math.ceil(2 * l2 / max(cache.numel() * 2, 1))))
+    copies = cache_copies(cache)
     ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
     caches = [cache] + [cache.clone() for _ in range(copies - 1)]
     out = ops.tree_verify(q, cache, table, seq, vis, scale)
-    inner = copies * max(1, math.ceil(cfg["graph_inner"] / copies))
+    inner = replay_inner(copies, cfg["graph_inner"])
 
     def timed(kernel):
         turn = iter(range(1 << 30))
