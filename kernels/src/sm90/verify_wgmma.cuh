@@ -256,7 +256,11 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
-  int next[2] = {-1, -1};  // RUNS, warpgroup 1: the rows of the next tile to request
+  // Page slabs: the producer looks the next tile's row up a tile ahead (next[0]), so the
+  // table's round trip leaves the request's path; only without a copy cluster and with more
+  // than one row tile a request, where it measured faster (docs/kernels/verify_attention.md).
+  const bool ahead = CLUSTER == 1 && p.R > ROWS;
+  int next[2] = {-1, -1};  // warpgroup 1: the rows of the next tile to request
   bool run = false;        // RUNS, warpgroup 1: the tile last requested goes by TMA
 
   if constexpr (TMA) {
@@ -278,7 +282,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         request_tile(p, &tmap, rows, run, y, sKV, bar_full, producer, warp - 4);
       }
     } else if (producer && ntiles > 0) {
-      issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin), sKV, bar_full, rank);
+      const int y = key_row(p, table, k_begin);
+      if (ahead && ntiles > 1) next[0] = key_row(p, table, k_begin + KEYS);
+      issue_tile<CLUSTER>(&tmap, y, sKV, bar_full, rank);
     }
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
@@ -455,8 +461,13 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
               for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
-          issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES, bar_full + 8 * s,
-                              rank);
+          if (ahead) {
+            issue_tile<CLUSTER>(&tmap, next[0], sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+            if (nx + 1 < ntiles) next[0] = key_row(p, table, k_begin + (nx + 1) * KEYS);
+          } else {
+            issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES,
+                                bar_full + 8 * s, rank);
+          }
         }
       } else {
         if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
