@@ -691,6 +691,14 @@ def test_hopper_dispatches_to_wgmma(ops):
     # The split that fills one wave: many splits for one request, none for a full grid.
     assert 64 <= plan(ops, 1, 8, max_seq=32768).num_splits <= 128
     assert plan(ops, 16, 64 * 16, max_seq=32768).num_splits == 1   # 256 CTAs: past one wave
+    # Every split holds keys at max_seq: a split takes ceil(tiles / splits) tiles, and the
+    # splits past the last tile are not launched.
+    for B, R, max_seq in ((1, 8, 129 * 64), (1, 8, 513 * 64), (16, 8, 17 * 64), (1, 8, 1000), (1, 128, 8256)):
+        pl = plan(ops, B, R, max_seq=max_seq)
+        tiles = -(-max_seq // pl.keys_per_tile)
+        assert (pl.num_splits - 1) * -(-tiles // pl.num_splits) < tiles, (B, R, max_seq, pl.num_splits)
+    if sms >= 129:  # 129 tiles: 65 splits of 2, not 128 of which 63 are empty
+        assert plan(ops, 1, 8, max_seq=129 * 64).num_splits == 65
 
 
 @pytest.mark.parametrize("prefixes,D,H,page", ATTN_GRID)

@@ -13,7 +13,7 @@
 // |         | tiles multicast from 16 row tiles, even counts); other page sizes: TMA    |
 // |         | for each tile of 64 consecutive cache rows, cp.async for the others       |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
-// |         | tiles else 2), 1..128                                                     |
+// |         | tiles else 2), 1..128; then only those that hold keys at max_seq          |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 //
@@ -46,7 +46,11 @@ int choose_splits(int B, int row_tiles, long long max_seq, int keys, int wave) {
   const long long per = row_tiles <= 2 ? 1 : 2;
   long long s = want < tiles / per ? want : tiles / per;
   if (s > MAX_SPLITS) s = MAX_SPLITS;
-  return s < 1 ? 1 : (int)s;
+  if (s < 1) return 1;
+  // A split takes ceil(tiles / s) tiles (split_keys): launch only the splits that then hold
+  // keys at max_seq, so no CTA and no combine read is spent on an empty one.
+  const long long each = (tiles + s - 1) / s;
+  return (int)((tiles + each - 1) / each);
 }
 
 }  // namespace
