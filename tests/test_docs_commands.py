@@ -54,7 +54,8 @@ COVERED = {
     "python3 -m kdtree test-gpu": ("gpu", "rule test_correctness of the reference run"),
     "python3 -m kdtree sweep verify-attn": ("gpu", "rule sweep_verify_attn_shard of the reference run"),
     "python3 -m kdtree sweep round": ("gpu", "rule sweep_gpu of the reference run"),
-    "scripts/ab.sh": ("gpu", "the same-run A/B of the package split (CHANGELOG 0.2.0)"),
+    "scripts/ab.sh": ("gpu", "session 33's A/Bs on the H200 ran its steps (builds a side, GPU tests, alternating "
+                             "sweep rounds); this form ran end to end on a host without a GPU"),
     "scripts/ab_compare.py": ("run", None),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
@@ -138,6 +139,23 @@ def test_ab_compare_reads_an_ab_folder(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "0.9" in r.stdout, r.stderr
+
+
+def test_ab_compare_takes_every_side_against_the_base(tmp_path):
+    import pandas as pd
+    for side, us in (("main", 10.0), ("new", 9.0), ("gated", 12.5)):
+        for rep, jitter in ((1, 0.0), (2, 1.0)):
+            pd.DataFrame([dict(heads=8, D=16, prefix=8192, batch=1, page_size=64, impl="kdtree_kernel",
+                               median_us=us + jitter, status="ok")]).to_parquet(tmp_path / f"{side}_verify-attn_{rep}.parquet")
+    (tmp_path / "sides.txt").write_text("main\nnew\ngated\n")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "new/main" in r.stdout and "gated/main" in r.stdout
+    assert "0.905" in r.stdout and "1.238" in r.stdout   # medians over the rounds: 9.5 / 10.5, 13 / 10.5
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path), "new"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "main/new" in r.stdout and "1.105" in r.stdout, r.stdout + r.stderr
 
 
 def test_ncu_stalls_summarises_a_source_page(tmp_path):
