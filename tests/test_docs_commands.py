@@ -57,6 +57,9 @@ COVERED = {
     "scripts/ab.sh": ("gpu", "session 33's A/Bs on the H200 ran its steps (builds a side, GPU tests, alternating "
                              "sweep rounds); this form ran end to end on a host without a GPU"),
     "scripts/ab_compare.py": ("run", None),
+    "scripts/ab.sh OUT main=ab/main new=. variant=.:-DFLAG": ("pattern", "the scripts/ab.sh entry's form"),
+    "scripts/ab_compare.py OUT main": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
+    "scripts/ab_compare.py OUT BASE": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
                                              "phase list in docs/kernels/tree_build.md (refusing other builds: "
