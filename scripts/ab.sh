@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Same-run A/B of kdtree builds on one GPU. Each SIDE is NAME=DIR[:FLAGS]: a tree (a
-# `git archive` of another commit, or . for the working tree) and extra nvcc flags for a
-# variant of it. Every side is built into its own folder and GPU-tested (TESTS, a pytest -k
+# Same-run A/B of kdtree builds on one GPU. Each SIDE is NAME=DIR[@COMMIT][:FLAGS]: a tree
+# (a `git archive` of another commit, or . for the working tree), the commit its rows record
+# (default: what git says in DIR, else unknown) and extra nvcc flags for a variant of it. Every side is built into its own folder and GPU-tested (TESTS, a pytest -k
 # expression; empty: no tests), then the sweeps run ROUNDS times, the sides' order reversed
 # every other round so that drift cancels; each side's sweeps run from its own tree, so its
 # Python and its library agree.
 #   mkdir -p ab/main && git archive <commit> | tar -x -C ab/main
-#   scripts/ab.sh OUT main=ab/main new=. gated=.:-DKD_SOME_FLAG=1
+#   scripts/ab.sh OUT main=ab/main@<commit> new=. gated=.:-DKD_SOME_FLAG=1
 #   python3 scripts/ab_compare.py OUT main        # per-point ratios of every side to main
 # Environment: SWEEPS (default: tree-build tree-accept verify-attn), CFG_<SWEEP> (a sweep's
 # --cfg-json, e.g. CFG_VERIFY_ATTN), ROUNDS (2), TESTS (default: the GPU tests of the swept
@@ -25,14 +25,18 @@ CFG_TREE_ACCEPT=${CFG_TREE_ACCEPT:-'{"batches":[1,16,64],"slots":[17,65,257],"L"
 CFG_VERIFY_ATTN=${CFG_VERIFY_ATTN:-'{"heads":[8,64],"slots":[16,64],"prefixes":[8192,32768],"batches":[1,16],"page_sizes":[1,64],"scale":0.130861,"seed":0,"gpu_replays":10,"graph_inner":3,"sdpa_max_elems":1,"gpu_mem_cap_gb":40}'}
 export PYTHONUNBUFFERED=1
 
-names=() dirs=() flags=()
+names=() dirs=() flags=() commits=()
 for side in "$@"; do
   name=${side%%=*} rest=${side#*=}
-  [[ $side == *=* && $name =~ ^[A-Za-z0-9.-]+$ ]] || { echo "ab.sh: SIDE must be NAME=DIR[:FLAGS], got '$side'" >&2; exit 2; }
-  dir=${rest%%:*} flag=""
+  [[ $side == *=* && $name =~ ^[A-Za-z0-9.-]+$ ]] || { echo "ab.sh: SIDE must be NAME=DIR[@COMMIT][:FLAGS], got '$side'" >&2; exit 2; }
+  dir=${rest%%:*} flag="" commit="" dirty=0
   [[ $rest == *:* ]] && flag=${rest#*:}
+  if [[ $dir == *@* ]]; then commit=${dir#*@} dir=${dir%%@*}
+  elif commit=$(git -C "$dir" rev-parse HEAD 2>/dev/null); then
+    [ -n "$(git -C "$dir" status --porcelain 2>/dev/null)" ] && dirty=1
+  else commit=unknown; fi
   [ -d "$dir/kdtree" ] || { echo "ab.sh: $dir has no kdtree package (side $name)" >&2; exit 2; }
-  names+=("$name") dirs+=("$(realpath "$dir")") flags+=("$flag")
+  names+=("$name") dirs+=("$(realpath "$dir")") flags+=("$flag") commits+=("$commit $dirty")
 done
 printf '%s\n' "${names[@]}" > "$out/sides.txt"
 
@@ -58,7 +62,8 @@ for rep in $(seq 1 "$rounds"); do
   for i in "${order[@]}"; do
     for sweep in $sweeps; do
       var=CFG_$(echo "$sweep" | tr a-z- A-Z_)
-      (cd "${dirs[$i]}" && timeout 600 python3 -m kdtree sweep "$sweep" --library "$out/build/${names[$i]}/libkdtree.so" \
+      read -r commit dirty <<< "${commits[$i]}"
+      (cd "${dirs[$i]}" && KDTREE_GIT_COMMIT=$commit KDTREE_GIT_DIRTY=$dirty timeout 600 python3 -m kdtree sweep "$sweep" --library "$out/build/${names[$i]}/libkdtree.so" \
          --out "$out/${names[$i]}_${sweep}_$rep.parquet" --cfg-json "${!var}") > "$out/${names[$i]}_${sweep}_$rep.log" 2>&1 \
         || echo "${names[$i]} $sweep round $rep failed (see its log)"
     done

@@ -257,8 +257,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
   const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
   // Page slabs: the producer looks the next tile's row up a tile ahead (next[0]), so the
-  // table's round trip leaves the request's path; only without a copy cluster and with more
-  // than one row tile a request, where it measured faster (docs/kernels/verify_attention.md).
+  // table's round trip leaves the request's path (the `ahead` row of verify_plan.cu's table).
   const bool ahead = CLUSTER == 1 && p.R > ROWS;
   int next[2] = {-1, -1};  // warpgroup 1: the rows of the next tile to request
   bool run = false;        // RUNS, warpgroup 1: the tile last requested goes by TMA
@@ -461,13 +460,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
               for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
             mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
           }
-          if (ahead) {
-            issue_tile<CLUSTER>(&tmap, next[0], sKV + s * KV_BYTES, bar_full + 8 * s, rank);
-            if (nx + 1 < ntiles) next[0] = key_row(p, table, k_begin + (nx + 1) * KEYS);
-          } else {
-            issue_tile<CLUSTER>(&tmap, key_row(p, table, k_begin + nx * KEYS), sKV + s * KV_BYTES,
-                                bar_full + 8 * s, rank);
-          }
+          const int y = ahead ? next[0] : key_row(p, table, k_begin + nx * KEYS);
+          issue_tile<CLUSTER>(&tmap, y, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+          if (ahead && nx + 1 < ntiles) next[0] = key_row(p, table, k_begin + (nx + 1) * KEYS);
         }
       } else {
         if (nx < ntiles) load_keys(p, table, k_begin + nx * KEYS, k_end, sKV + (nx & 1) * KV_BYTES, warp - 4);
