@@ -12,6 +12,8 @@
 // | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists (pairs of row |
 // |         | tiles multicast from 16 row tiles, even counts); other page sizes: TMA    |
 // |         | for each tile of 64 consecutive cache rows, cp.async for the others       |
+// | ahead   | wgmma page-slab TMA, no copy cluster, R > 64: the next tile's table entry |
+// |         | read a tile ahead (in the kernel: the producer's loop)                     |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
 // |         | tiles else 2), 1..128; then only those that hold keys at max_seq          |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
