@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Same-run A/B of kdtree builds on one GPU. Each SIDE is NAME=DIR[@COMMIT][:FLAGS]: a tree
 # (a `git archive` of another commit, or . for the working tree), the commit its rows record
-# (default: what git says in DIR, else unknown) and extra nvcc flags for a variant of it. Every side is built into its own folder and GPU-tested (TESTS, a pytest -k
-# expression; empty: no tests), then the sweeps run ROUNDS times, the sides' order reversed
-# every other round so that drift cancels; each side's sweeps run from its own tree, so its
-# Python and its library agree.
+# (default: what git says in DIR, else unknown) and extra nvcc flags for a variant of it.
+# Every side is built into its own folder and GPU-tested (TESTS, a pytest -k expression;
+# empty: no tests), then the sweeps run ROUNDS times, the sides' order reversed every other
+# round so that drift cancels; each side's sweeps run from its own tree, so its Python and
+# its library agree.
 #   mkdir -p ab/main && git archive <commit> | tar -x -C ab/main
 #   scripts/ab.sh OUT main=ab/main@<commit> new=. gated=.:-DKD_SOME_FLAG=1
 #   python3 scripts/ab_compare.py OUT main        # per-point ratios of every side to main
@@ -13,7 +14,7 @@
 # kernels), ARCHS (sm_90a), JOBS (build jobs a side). Default grids take about 90 s a side
 # and round on an H200.
 set -uo pipefail
-[ $# -ge 3 ] || { sed -n 2,14p "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n 2,15p "$0"; exit 2; }
 out=$(mkdir -p "$1" && realpath "$1"); shift
 sweeps=${SWEEPS:-tree-build tree-accept verify-attn}
 rounds=${ROUNDS:-2}
