@@ -659,11 +659,11 @@ def test_hopper_dispatches_to_wgmma(ops):
         assert plan(ops, B, 8, max_seq=max_seq).small_launch == want, (B, max_seq)
     assert plan(ops, 1, 8, max_seq=1024).name == "mma_sync"
     assert plan(ops, 1, 8, max_seq=64 * sms).name != "mma_sync"
-    # Keys by TMA for pages of 64k rows, multicast to pairs from 16 row tiles (even).
+    # Keys by TMA for pages of 64k rows, one CTA a tile at any row-tile count (no pairs).
     assert plan(ops, 16, 257 * 8).name == "wgmma_tma"        # 33 row tiles
     assert plan(ops, 16, 16 * 8).name == "wgmma_tma"         # 2 row tiles
-    assert plan(ops, 16, 64 * 16).name == "wgmma_tma_x2"     # 16 row tiles
-    assert plan(ops, 16, 64 * 16, page=192).name == "wgmma_tma_x2"
+    assert plan(ops, 16, 64 * 16).name == "wgmma_tma"        # 16 row tiles
+    assert plan(ops, 16, 64 * 16, page=192).name == "wgmma_tma"
     # Other page sizes: TMA for the tiles of consecutive cache rows, cp.async for the rest.
     assert plan(ops, 16, 64 * 16, page=32).name == "wgmma_tma_runs"
     assert plan(ops, 16, 16 * 8, page=1).name == "wgmma_tma_runs"

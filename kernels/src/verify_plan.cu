@@ -9,9 +9,9 @@
 // | kernel  | wgmma where the build has sm_90a, the device is 9.0, its shared memory    |
 // |         | holds the tile, and not (R <= 64 rows in a small launch); else mma.sync   |
 // | rows    | wgmma 64; mma.sync the fewest of 16/32/64 that cover R and fit            |
-// | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists (pairs of row |
-// |         | tiles multicast from 16 row tiles, even counts); other page sizes: TMA    |
-// |         | for each tile of 64 consecutive cache rows, cp.async for the others       |
+// | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists, one CTA a    |
+// |         | tile (multicast pairs only in KD_VERIFY_MULTICAST=1 builds); other page   |
+// |         | sizes: TMA for each tile of 64 consecutive cache rows, cp.async otherwise |
 // | ahead   | wgmma page-slab TMA, no copy cluster, R > 64: the next tile's table entry |
 // |         | read a tile ahead (in the kernel: the producer's loop)                     |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |

@@ -7,10 +7,10 @@
 // slab of one page; with any other (SGLang's 1) the kernel checks each tile and copies it by
 // TMA where its keys are 64 consecutive cache rows, by cp.async elsewhere (COPY_RUNS). When
 // the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC), warpgroup 1 copies every tile by cp.async.
-// Clusters: multicast to pairs of row tiles pays only where many row tiles share each
-// key tile (with few, the pair's lock step costs more than the L2 reads it saves), so
-// pairs are formed from 16 row tiles on, when their count is even (A/B in the notes, v5);
-// KD_VERIFY_MULTICAST=0 at build time turns them off.
+// Clusters: no pairs of row tiles sharing key tiles by multicast. Since the single CTA
+// looks its next slab up a tile ahead (v14), it is faster than the pair's lock step at
+// every pair shape (v16 in the notes); KD_VERIFY_MULTICAST=1 at build time brings the
+// pairs back (from 16 row tiles, even counts) for A/Bs.
 // Splits: 2 key splits of a row tile on the TMA path, in launches of 16 or more row tiles
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
 // shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once; the
@@ -22,7 +22,7 @@
 #include "verify_wgmma_paths.cuh"
 
 #ifndef KD_VERIFY_MULTICAST
-#define KD_VERIFY_MULTICAST 1
+#define KD_VERIFY_MULTICAST 0
 #endif
 
 namespace kd {
