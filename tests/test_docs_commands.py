@@ -61,6 +61,8 @@ COVERED = {
     "scripts/ab_compare.py OUT main": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
     "scripts/ab_compare.py OUT BASE": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
+    "scripts/split_scan.py --batches 1": ("gpu", "session 34's batch-1 scan in docs/kernels/verify_attention.md, "
+                                                 "run on the H200"),
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
                                              "phase list in docs/kernels/tree_build.md (refusing other builds: "
                                              "tests/test_kernel_host.py)"),
