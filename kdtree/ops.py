@@ -379,8 +379,9 @@ class TreeVerifyPlan:
 
     @property
     def name(self) -> str:
-        """The kernel and copy as one label: mma_sync, wgmma (cp.async), wgmma_tma, wgmma_tma_x2,
-        wgmma_tma_runs (page sizes off 64: TMA for tiles of consecutive cache rows)."""
+        """The kernel and copy as one label: mma_sync, wgmma (cp.async), wgmma_tma, wgmma_tma_runs
+        (page sizes off 64: TMA for tiles of consecutive cache rows); wgmma_tma_x2 (multicast
+        pairs) only from a library built with -DKD_VERIFY_MULTICAST=1."""
         if self.kernel == "mma_sync":
             return "mma_sync"
         return "wgmma" if self.copy == "cp_async" else f"wgmma_{self.copy}"
