@@ -54,8 +54,8 @@ COVERED = {
     "python3 -m kdtree test-gpu": ("gpu", "rule test_correctness of the reference run"),
     "python3 -m kdtree sweep verify-attn": ("gpu", "rule sweep_verify_attn_shard of the reference run"),
     "python3 -m kdtree sweep round": ("gpu", "rule sweep_gpu of the reference run"),
-    "scripts/ab.sh": ("gpu", "session 34's A/Bs ran it end to end on the H200 (builds, GPU tests, alternating "
-                             "sweep rounds)"),
+    "scripts/ab.sh": ("gpu", "session 34's A/Bs ran it end to end on the H200 (builds, alternating sweep "
+                             "rounds; TESTS empty, each side's GPU tests run beside it)"),
     "scripts/ab_compare.py": ("run", None),
     "scripts/ab.sh OUT main=ab/main@SHA new=. variant=.:-DFLAG": ("pattern", "the scripts/ab.sh entry's form"),
     "scripts/ab_compare.py OUT main": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
