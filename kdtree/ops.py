@@ -315,7 +315,7 @@ MAX_SPLITS = 128
 # Hopper, mma.sync elsewhere); the others force a path, for tests and same-run A/Bs.
 VERIFY_KERNELS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
 _KERNEL_NAMES = {0: "mma_sync", 1: "wgmma"}
-_COPY_NAMES = {0: "cp_async", 1: "tma", 2: "tma_x2", 3: "tma_runs"}
+_COPY_NAMES = {0: "cp_async", 1: "tma", 3: "tma_runs"}
 _MERGE_NAMES = {0: "none", 1: "cluster", 2: "combine_kernel"}
 
 
@@ -380,8 +380,7 @@ class TreeVerifyPlan:
     @property
     def name(self) -> str:
         """The kernel and copy as one label: mma_sync, wgmma (cp.async), wgmma_tma, wgmma_tma_runs
-        (page sizes off 64: TMA for tiles of consecutive cache rows); wgmma_tma_x2 (multicast
-        pairs) only from a library built with -DKD_VERIFY_MULTICAST=1."""
+        (page sizes off 64: TMA for tiles of consecutive cache rows)."""
         if self.kernel == "mma_sync":
             return "mma_sync"
         return "wgmma" if self.copy == "cp_async" else f"wgmma_{self.copy}"

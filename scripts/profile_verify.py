@@ -19,7 +19,7 @@ import os
 import torch
 
 from kdtree import loader, ops
-from kdtree.harness.workloads import paged_case
+from kdtree.harness.workloads import TABLE_LAYOUTS, paged_case
 
 SLOTS = 48  # a split's stamps (verify_common.cuh)
 SCALE = 0.130861  # K2's softmax scale
@@ -29,6 +29,8 @@ def main():
     a = argparse.ArgumentParser()
     a.add_argument("--shapes", nargs="+", default=["16:64:16:8192", "1:16:8:8192"])
     a.add_argument("--page", type=int, default=64, help="page size of the cache")
+    a.add_argument("--layout", choices=TABLE_LAYOUTS, default="scattered",
+                   help="block-table order (workloads.page_order); runs: SGLang's page-1 prefills")
     a.add_argument("--splits", type=int, default=4, help="splits printed (of row tile 0, request 0)")
     a.add_argument("--launches", type=int, default=3, help="launches; the last one's stamps are read")
     args = a.parse_args()
@@ -41,13 +43,13 @@ def main():
     lib.kd_verify_profile_buffer(ctypes.c_void_p(stamps.data_ptr()))
     for shape in args.shapes:
         B, D, H, P = (int(x) for x in shape.split(":"))
-        case = paged_case([P] * B, D, H, args.page, seed=B + D + H, device="cuda")
+        case = paged_case([P] * B, D, H, args.page, seed=B + D + H, device="cuda", layout=args.layout)
         plan = ops.TreeVerifyPlan(B, D, H, args.page, case.block_table.shape[1])
         for _ in range(args.launches):
             stamps.zero_()
             plan.run(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE)
         torch.cuda.synchronize()
-        print(f"== B {B}, D {D}, H {H}, P {P}, page {args.page}: {plan}")
+        print(f"== B {B}, D {D}, H {H}, P {P}, page {args.page} ({args.layout}): {plan}")
         if plan.kernel != "wgmma":
             print("   (the mma.sync kernel takes no stamps)")
             continue

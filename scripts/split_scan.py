@@ -11,7 +11,7 @@ import torch
 
 from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
-from kdtree.harness.sweeps.verify_attn import cache_copies, floor_us, gpu_case, replay_inner
+from kdtree.harness.sweeps.verify_attn import cache_copies, floor_us, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import time_graph
 from kdtree.reference.attention import attention_bytes
 
@@ -39,9 +39,9 @@ def main():
                     for s in [None] + args.splits:
                         plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s)
                         out = ops.tree_verify(q, cache, table, seq, vis, 0.130861, num_splits=s)
-                        turn = iter(range(1 << 30))
-                        fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, 0.130861,
-                                                     num_splits=s, out=out)
+                        next_cache = rotation(caches)
+                        fn = lambda: ops.tree_verify(q, next_cache(), table, seq, vis, 0.130861, num_splits=s,
+                                                     out=out)
                         t = time_graph(fn, replays=10, inner=replay_inner(copies, 3))
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
                                          forced=s or 0, num_splits=plan.num_splits, kernel=plan.name,

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kdtree import ops
-from kdtree.harness.sweeps.verify_attn import cache_copies, gpu_case, replay_inner
+from kdtree.harness.sweeps.verify_attn import cache_copies, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import capture_graph, time_graph
 
 SCALE = 0.130861
@@ -53,8 +53,8 @@ def main():
         caches = [cache] + [cache.clone() for _ in range(copies - 1)]
         out = ops.tree_verify(q, cache, table, seq, vis, SCALE)
         inner = replay_inner(copies, 5)
-        turn = iter(range(1 << 30))
-        fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, SCALE, out=out)
+        next_cache = rotation(caches)
+        fn = lambda: ops.tree_verify(q, next_cache(), table, seq, vis, SCALE, out=out)
         t = time_graph(fn, replays=20, inner=inner)
         graph, _ = capture_graph(fn, inner=inner)
         ks = kernel_us(graph, inner)

@@ -67,3 +67,17 @@ def test_table_layouts():
     assert all(0.6 < s < 0.97 for s in steps["broken_runs"]), steps
     with pytest.raises(ValueError, match="layout: expected one of"):
         page_order([1], 0, "sorted", g)
+
+
+def test_timed_calls_read_every_cache_copy_equally():
+    """A graph of replay_inner(n, want) calls, each taking rotation's next copy, reads each
+    of the n copies the same number of times (so no copy sits in L2 more than another)."""
+    from kdtree.harness.sweeps.verify_attn import replay_inner, rotation
+
+    for n, want in [(1, 3), (3, 3), (5, 3), (7, 10)]:
+        calls = replay_inner(n, want)
+        assert calls >= want and calls % n == 0
+        take = rotation(list(range(n)))
+        seen = [take() for _ in range(calls)]
+        assert seen[:n] == list(range(n))
+        assert all(seen.count(i) == calls // n for i in range(n))

@@ -10,10 +10,10 @@
 // |         | holds the tile, and not (R <= 64 rows in a small launch); else mma.sync   |
 // | rows    | wgmma 64; mma.sync the fewest of 16/32/64 that cover R and fit            |
 // | copy    | wgmma: TMA where page_size % 64 == 0 and the encoder exists, one CTA a    |
-// |         | tile (multicast pairs only in KD_VERIFY_MULTICAST=1 builds); other page   |
-// |         | sizes: TMA for each tile of 64 consecutive cache rows, cp.async otherwise |
-// | ahead   | wgmma page-slab TMA, no copy cluster, R > 64: the next tile's table entry |
-// |         | read a tile ahead (in the kernel: the producer's loop)                     |
+// |         | tile; other page sizes: TMA for each tile of 64 consecutive cache rows,   |
+// |         | cp.async otherwise                                                        |
+// | ahead   | wgmma page-slab TMA, R > 64: the next tile's table entry read a tile      |
+// |         | ahead (in the kernel: the producer's loop)                                |
 // | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
 // |         | tiles else 2), 1..128; then only those that hold keys at max_seq          |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
@@ -79,7 +79,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
     pl.kernel = 1;
     pl.rows_per_cta = kd::WGMMA_ROWS;
     pl.keys_per_tile = kd::WGMMA_KEYS;
-    pl.copy = kd::verify_wgmma_copy_path(R, page_size, path);
+    pl.copy = kd::verify_wgmma_copy_path(page_size, path);
     rc = kd::verify_wgmma_wave(pl.copy, &wave);
 #endif
   } else {

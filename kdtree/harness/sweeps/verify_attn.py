@@ -1,6 +1,7 @@
 """Tree-verify attention: the kernel against torch SDPA with a tree mask, beside the roofline."""
 from __future__ import annotations
 
+import itertools
 import math
 
 from ...reference.attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
@@ -94,8 +95,8 @@ def flashmla_row(base: dict, q, caches, table, seq, scale, cfg, inner) -> dict:
                                                    causal=True, use_legacy=True)
         call(k[0])
         torch.cuda.synchronize()
-        turn = iter(range(1 << 30))
-        t = time_graph(lambda: call(k[next(turn) % len(k)]), replays=cfg["gpu_replays"], inner=inner)
+        next_k = rotation(k)
+        t = time_graph(lambda: call(next_k()), replays=cfg["gpu_replays"], inner=inner)
     except Exception as e:  # a shape FlashMLA refuses is a row, not a crash
         return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
     return dict(row, roofline_fraction=base["floor_us"] / t["median_us"],
@@ -115,6 +116,12 @@ def cache_copies(cache, cap: int = 128) -> int:
 def replay_inner(copies: int, want: int) -> int:
     """Calls a captured graph holds: at least `want`, a whole number of passes over the copies."""
     return copies * max(1, math.ceil(want / copies))
+
+
+def rotation(items):
+    """A function returning the next of `items` at each call, round and round: the calls a
+    graph captures then read the cache copies in turn."""
+    return itertools.cycle(items).__next__
 
 
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
@@ -137,9 +144,8 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     inner = replay_inner(copies, cfg["graph_inner"])
 
     def timed(kernel):
-        turn = iter(range(1 << 30))
-        fn = lambda: ops.tree_verify(q, caches[next(turn) % copies], table, seq, vis, scale, kernel=kernel,
-                                     out=out)
+        next_cache = rotation(caches)
+        fn = lambda: ops.tree_verify(q, next_cache(), table, seq, vis, scale, kernel=kernel, out=out)
         return time_graph(fn, replays=cfg["gpu_replays"], inner=inner)
 
     def plan(kernel):  # what tree_verify runs for this shape (its plan is kept per shape)
@@ -150,8 +156,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
                 table_layout=layout, **ceilings)
     def kernel_row(impl, kernel):
         pl, t = plan(kernel), timed(kernel)
-        name = pl.name.replace("_x2", "") if pl.merge == "cluster" else pl.name  # split clusters: no pairs
-        return dict(base, impl=impl, kernel=name, roofline_fraction=fl / t["median_us"],
+        return dict(base, impl=impl, kernel=pl.name, roofline_fraction=fl / t["median_us"],
                     copy_fraction=nbytes / (t["median_us"] * 1e-6) / (ceilings["copy_gbps"] * 1e9),
                     num_splits=pl.num_splits, split_merge=pl.merge, **t)
 

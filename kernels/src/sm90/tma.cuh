@@ -1,7 +1,7 @@
 // Hopper bulk tensor copies (TMA), mbarriers and thread-block clusters (barriers and
 // distributed shared memory): the PTX the verify kernel's TMA path and cluster merge need
 // (sm_90; PTX ISA "cp.async.bulk.tensor", "mbarrier", "mapa").
-// A copy signals an mbarrier in each destination CTA by its byte count (complete_tx);
+// A copy signals its destination CTA's mbarrier by its byte count (complete_tx);
 // the waiting side arms the barrier with the bytes it expects (expect_tx) and waits on
 // the phase's parity. Addresses are 32-bit shared-state-space addresses.
 #pragma once
@@ -12,7 +12,7 @@ namespace kd {
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-// Makes the initialised barriers visible to the cluster's copies and remote arrivals.
+// Makes the initialised barriers visible to the TMA copies (the async proxy).
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
@@ -31,26 +31,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "{\n.reg .pred done;\nwait_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// The same, ordered after the releases of other CTAs' arrivals (cluster scope).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nwait_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// Arrives on the barrier at the same offset in cluster CTA `rank` (itself included).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar), "r"(rank)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t cluster_rank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
 }
 // All threads of all CTAs of the cluster meet (also a CTA-wide barrier).
 __device__ __forceinline__ void cluster_sync() {
@@ -83,21 +63,13 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
 }
 
 // A box of the 2-D tensor map at element coordinates (x inner, y outer) into shared
-// memory at `dst`, signalling `bar`, under L2 policy `policy`. With a mask, the box lands
-// at the same offsets in every CTA of the cluster named by a bit (dst and bar included).
+// memory at `dst`, signalling `bar`, under L2 policy `policy`.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, int x, int y, uint32_t bar,
                                             uint64_t policy) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
       " [%0], [%1, {%2, %3}], [%4], %5;\n"
       ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "l"(policy) : "memory");
-}
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const void* tmap, int x, int y,
-                                                      uint32_t bar, uint16_t mask, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
-      ".L2::cache_hint [%0], [%1, {%2, %3}], [%4], %5, %6;\n"
-      ::"r"(dst), "l"(tmap), "r"(x), "r"(y), "r"(bar), "h"(mask), "l"(policy) : "memory");
 }
 
 }  // namespace kd

@@ -7,10 +7,8 @@
 // slab of one page; with any other (SGLang's 1) the kernel checks each tile and copies it by
 // TMA where its keys are 64 consecutive cache rows, by cp.async elsewhere (COPY_RUNS). When
 // the plan asks for it (KD_VERIFY_WGMMA_CP_ASYNC), warpgroup 1 copies every tile by cp.async.
-// Clusters: no pairs of row tiles sharing key tiles by multicast. Since the single CTA
-// looks its next slab up a tile ahead (v14), it is faster than the pair's lock step at
-// every pair shape (v16 in the notes); KD_VERIFY_MULTICAST=1 at build time brings the
-// pairs back (from 16 row tiles, even counts) for A/Bs.
+// No clusters of row tiles: since the single CTA looks its next slab up a tile ahead
+// (v14), it is faster than pairs sharing each slab by multicast (v16 in the notes).
 // Splits: 2 key splits of a row tile on the TMA path, in launches of 16 or more row tiles
 // (verify_wgmma_paths.cuh says why), run as one cluster that merges them in distributed
 // shared memory (verify_wgmma.cuh), where those clusters all fit on the GPU at once; the
@@ -20,10 +18,6 @@
 #include <atomic>
 
 #include "verify_wgmma_paths.cuh"
-
-#ifndef KD_VERIFY_MULTICAST
-#define KD_VERIFY_MULTICAST 0
-#endif
 
 namespace kd {
 namespace {
@@ -78,17 +72,13 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   return true;
 }
 
-// The path for R query rows and this page size: COPY_CP_ASYNC, COPY_RUNS or a TMA cluster
-// size.
-int copy_path(int R, int page_size, int64_t rows, int path) {
+// The copy path for this page size: COPY_CP_ASYNC, COPY_TMA or COPY_RUNS.
+int copy_path(int page_size, int64_t rows, int path) {
   if (path == KD_VERIFY_WGMMA_CP_ASYNC || rows >= (int64_t{1} << 31) || !encoder()) return COPY_CP_ASYNC;
-  if (page_size % 64 != 0) return COPY_RUNS;
-  constexpr int PAIRS_FROM_ROW_TILES = 16;
-  const int row_tiles = ceil_div(R, WGMMA_ROWS);
-  return KD_VERIFY_MULTICAST && row_tiles >= PAIRS_FROM_ROW_TILES && row_tiles % 2 == 0 ? 2 : 1;
+  return page_size % 64 == 0 ? COPY_TMA : COPY_RUNS;
 }
 
-// Clusters of `splits` CTAs (MERGE) of copy path `copy` (1 or COPY_RUNS) resident at once on
+// Clusters of `splits` CTAs (MERGE) of copy path `copy` (COPY_TMA or COPY_RUNS) resident at once on
 // device `dev`, asked once per device, path and size (kept plus one: static zeros mean not
 // asked). A failed query gives 0, so that launch does not merge, and is asked again next time.
 int merge_clusters(int dev, int copy, int splits) {
@@ -100,7 +90,7 @@ int merge_clusters(int dev, int copy, int splits) {
   if (kept > 0) return kept - 1;
   int ctas = 0;
   const int rc = copy == COPY_RUNS ? verify_wgmma_path_wave<COPY_RUNS, true>(splits, &ctas)
-                                   : verify_wgmma_path_wave<1, true>(splits, &ctas);
+                                   : verify_wgmma_path_wave<COPY_TMA, true>(splits, &ctas);
   if (rc != 0) {
     cudaGetLastError();  // leaves no error behind for the caller's next check
     return 0;
@@ -111,19 +101,18 @@ int merge_clusters(int dev, int copy, int splits) {
 
 }  // namespace
 
-int verify_wgmma_copy_path(int R, int page_size, int path) { return copy_path(R, page_size, 0, path); }
+int verify_wgmma_copy_path(int page_size, int path) { return copy_path(page_size, 0, path); }
 
 int verify_wgmma_wave(int copy, int* ctas) {
   switch (copy) {
-    case 1: return verify_wgmma_path_wave<1, false>(1, ctas);
-    case 2: return verify_wgmma_path_wave<2, false>(1, ctas);
+    case COPY_TMA: return verify_wgmma_path_wave<COPY_TMA, false>(1, ctas);
     case COPY_RUNS: return verify_wgmma_path_wave<COPY_RUNS, false>(1, ctas);
     default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
   }
 }
 
 bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
-  const int copy = copy_path(R, page_size, 0, path);
+  const int copy = copy_path(page_size, 0, path);
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
       copy == COPY_CP_ASYNC)
     return false;
@@ -142,10 +131,9 @@ int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy,
   *merged = copy != COPY_CP_ASYNC && merge;
   if (*merged)
     return copy == COPY_RUNS ? launch_verify_wgmma_path<COPY_RUNS, true>(p, map, B, st)
-                             : launch_verify_wgmma_path<1, true>(p, map, B, st);
+                             : launch_verify_wgmma_path<COPY_TMA, true>(p, map, B, st);
   switch (copy) {
-    case 1: return launch_verify_wgmma_path<1, false>(p, map, B, st);
-    case 2: return launch_verify_wgmma_path<2, false>(p, map, B, st);
+    case COPY_TMA: return launch_verify_wgmma_path<COPY_TMA, false>(p, map, B, st);
     case COPY_RUNS: return launch_verify_wgmma_path<COPY_RUNS, false>(p, map, B, st);
     default: return launch_verify_wgmma_path<COPY_CP_ASYNC, false>(p, map, B, st);
   }

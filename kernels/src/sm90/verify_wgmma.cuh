@@ -9,23 +9,16 @@
 //                (whole rows in its registers: no max exchange), P and the rescale
 //                factors to shared memory;
 //   warpgroup 1: streams the next key tile in meanwhile: by cp.async (COPY = COPY_CP_ASYNC,
-//                any page size), or one of its threads issues TMA boxes (page sizes that
-//                are multiples of 64: a tile is one 64-row slab of one page; COPY_RUNS:
-//                each tile whose keys are 64 consecutive cache rows, the others by
-//                cp.async);
+//                any page size), or one of its threads issues TMA boxes (COPY_TMA, page
+//                sizes that are multiples of 64: a tile is one 64-row slab of one page;
+//                COPY_RUNS: each tile whose keys are 64 consecutive cache rows, the
+//                others by cp.async);
 //   both:        O += P V, warpgroup w owning value columns 256w..256w+255 (m64n256k16 x 4,
 //                P from shared memory, V = the key tile read MN-major: no copy, no transpose).
 // PV of a tile overlaps S of the next (named barriers hand the buffers over). Tiles:
 // [9 column blocks][rows][64 bf16] with 128-byte rows, the 16-byte chunk index XOR-ed with
 // row % 8 (the canonical SW128 layout; 1024-byte bases), which is also what a TMA box of
 // 64 x 64 with 128-byte swizzle writes.
-//
-// With TMA, a cluster of COPY CTAs (2: consecutive row tiles of one request and
-// split, which read the same keys) shares each key tile: every CTA issues a share of the
-// tile's 9 column blocks, multicast to all of them, so each key byte leaves L2 once per
-// cluster, not once per CTA (the copy, not the math, held v3e's period: docs/kernels/verify_attention.md).
-// A slot is refilled only after every CTA of the cluster released it (EMPTY barriers with
-// one arrival per CTA).
 //
 // Split merge (MERGE): with 2 key splits (the host's rule; the kernel takes up to 8), the
 // splits of a row tile form one cluster (along grid y) and merge their O through
@@ -96,23 +89,15 @@ __device__ __forceinline__ void load_keys(const VerifyParams& p, const int32_t* 
   }
 }
 
-// TMA path, one thread of warpgroup 1: this CTA's share of the key tile whose 64 keys are
-// cache rows y..y+63 (one slab of one page, or a run of rows) into slot `slot` of every CTA
-// of the cluster. Column block c goes from CTA rank c % COPY; each CTA's FULL barrier
-// expects the whole tile. Keys go with an L2 evict-first hint: each is read once a CTA or
-// pair (docs/kernels/verify_attention.md, v12).
-template <int COPY>
-__device__ __forceinline__ void issue_tile(const CUtensorMap* tmap, int y, uint32_t slot, uint32_t full,
-                                           uint32_t rank) {
+// TMA paths, one thread of warpgroup 1: the key tile whose 64 keys are cache rows
+// y..y+63 (one slab of one page, or a run of rows) into slot `slot`, 9 boxes of 64 x 64
+// completing the FULL barrier `full` by their bytes. Keys go with an L2 evict-first hint:
+// each is read once a CTA (docs/kernels/verify_attention.md, v12).
+__device__ __forceinline__ void issue_tile(const CUtensorMap* tmap, int y, uint32_t slot, uint32_t full) {
   const uint64_t policy = l2_evict_first();
   mbar_arrive_expect_tx(full, KV_BYTES);
 #pragma unroll
-  for (int c = 0; c < QK_DIM / 64; ++c) {
-    if (c % COPY != (int)rank) continue;
-    const uint32_t dst = slot + c * KEYS * BLOCK_BYTES;
-    if constexpr (COPY == 1) tma_load_2d(dst, tmap, c * 64, y, full, policy);
-    else tma_load_2d_multicast(dst, tmap, c * 64, y, full, (uint16_t)((1u << COPY) - 1), policy);
-  }
+  for (int c = 0; c < QK_DIM / 64; ++c) tma_load_2d(slot + c * KEYS * BLOCK_BYTES, tmap, c * 64, y, full, policy);
 }
 
 // The cache row (page * page_size + offset) of key `pos`; TMA paths only (rows < 2^31).
@@ -173,7 +158,7 @@ __device__ __forceinline__ void copy_rows(const VerifyParams& p, const int (&row
 __device__ __forceinline__ void request_tile(const VerifyParams& p, const CUtensorMap* tmap, const int (&row)[2],
                                              bool run, int y, uint32_t slot, uint32_t full, bool producer, int w) {
   if (!run) copy_rows(p, row, slot, w);
-  else if (producer) issue_tile<1>(tmap, y, slot, full, 0);
+  else if (producer) issue_tile(tmap, y, slot, full);
 }
 
 // The merge of a cluster's S splits (the MERGE epilogue): this CTA (split = cluster rank
@@ -220,18 +205,16 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
   }
 }
 
-// COPY: COPY_CP_ASYNC, the TMA cluster size (1, 2; launched with that cluster shape), or
-// COPY_RUNS (TMA or cp.async tile by tile, no cluster).
-// MERGE (COPY 1 or COPY_RUNS): the splits of a row tile are one cluster (1 x num_splits) and
-// merge in it.
+// COPY: COPY_CP_ASYNC, COPY_TMA (page slabs) or COPY_RUNS (TMA or cp.async tile by tile).
+// MERGE (COPY_TMA or COPY_RUNS): the splits of a row tile are one cluster (1 x num_splits)
+// and merge in it; no other launch has clusters.
 template <int COPY, bool MERGE>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
-  static_assert(!MERGE || COPY == 1 || COPY == COPY_RUNS, "the merge's clusters run on TMA without multicast");
+  static_assert(!MERGE || COPY != COPY_CP_ASYNC, "the merge runs on the TMA paths");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool TMA = COPY != COPY_CP_ASYNC;  // the mbarrier pipeline (RUNS included)
   constexpr bool RUNS = COPY == COPY_RUNS;
-  constexpr int CLUSTER = copy_cluster(COPY);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t sQ = (raw + 1023) & ~1023u;  // swizzle atoms repeat every 1024 bytes
@@ -240,9 +223,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   float* sAlpha = reinterpret_cast<float*>(gP + P_BYTES);  // per row, this tile's rescale
   float* sL = sAlpha + ROWS;                                // per row, at the end: sum, max
   float* sM = sL + ROWS;
-  // TMA path: FULL(s) completes when slot s holds its tile, EMPTY(s) when every CTA of
-  // the cluster has released it (in the 4th float row's room: 4 x 8 bytes).
-  const uint32_t bar_full = smem_addr(sM + ROWS), bar_empty = bar_full + 16;
+  // TMA paths: FULL(s) completes when slot s holds its tile (in the 4th float row's room).
+  // No EMPTY barrier: warpgroup 1 refills a slot only after KV_FREE and its own PV wait.
+  const uint32_t bar_full = smem_addr(sM + ROWS);
 
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -255,23 +238,18 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
-  const uint32_t rank = CLUSTER > 1 ? cluster_rank() : 0;
   // Page slabs: the producer looks the next tile's row up a tile ahead (next[0]), so the
   // table's round trip leaves the request's path (the `ahead` row of verify_plan.cu's table).
-  const bool ahead = CLUSTER == 1 && p.R > ROWS;
+  const bool ahead = p.R > ROWS;
   int next[2] = {-1, -1};  // warpgroup 1: the rows of the next tile to request
   bool run = false;        // RUNS, warpgroup 1: the tile last requested goes by TMA
 
   if constexpr (TMA) {
     if (tid == 0) {
-      for (int s = 0; s < STAGES; ++s) {
-        mbar_init(bar_full + 8 * s, 1);
-        mbar_init(bar_empty + 8 * s, CLUSTER);
-      }
+      for (int s = 0; s < STAGES; ++s) mbar_init(bar_full + 8 * s, 1);
       mbar_init_fence();
     }
-    if constexpr (CLUSTER > 1) cluster_sync();  // no copy or arrival before every CTA's init
-    else __syncthreads();
+    __syncthreads();  // no copy or arrival before the barriers' init
     if constexpr (RUNS) {
       if (wg == 1 && ntiles > 0) {
         int rows[2], y;
@@ -283,7 +261,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     } else if (producer && ntiles > 0) {
       const int y = key_row(p, table, k_begin);
       if (ahead && ntiles > 1) next[0] = key_row(p, table, k_begin + KEYS);
-      issue_tile<CLUSTER>(&tmap, y, sKV, bar_full, rank);
+      issue_tile(&tmap, y, sKV, bar_full);
     }
   }
   // Q (rows past R zero-filled) by all threads, key tile 0 by warpgroup 1: one group.
@@ -452,16 +430,10 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
           if (nx + 1 < ntiles) fetch_rows(p, table, k_begin + (nx + 1) * KEYS, k_end, next);
         }
       } else if constexpr (TMA) {
-        if (producer && nx < ntiles) {
+        if (producer && nx < ntiles) {  // the slot is free, as above
           const uint32_t s = nx & 1;
-          if (nx >= STAGES) {  // the slot held tile it-1: released here, refilled when all have
-            if constexpr (CLUSTER == 1) mbar_arrive(bar_empty + 8 * s);  // (a MERGE cluster shares no tiles)
-            else
-              for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar_empty + 8 * s, r);
-            mbar_wait_cluster(bar_empty + 8 * s, ((nx >> 1) & 1) ^ 1);
-          }
           const int y = ahead ? next[0] : key_row(p, table, k_begin + nx * KEYS);
-          issue_tile<CLUSTER>(&tmap, y, sKV + s * KV_BYTES, bar_full + 8 * s, rank);
+          issue_tile(&tmap, y, sKV + s * KV_BYTES, bar_full + 8 * s);
           if (ahead && nx + 1 < ntiles) next[0] = key_row(p, table, k_begin + (nx + 1) * KEYS);
         }
       } else {
@@ -504,8 +476,6 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   reg_fence(o);
   if (tid == 0) VSTAMP(43, clock64());
   cp_async_wait<0>();
-  // No CTA of a cluster leaves while another may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
 
   if (wg == 0 && t == 0) {
     sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
@@ -539,8 +509,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 #endif
 }
 
-// The launch of path (COPY, MERGE) over `grid`: clusters of COPY along the row tiles (TMA
-// pairs), or of all splits of a row tile (MERGE), else none. `attr` holds the cluster shape.
+// The launch of path (COPY, MERGE) over `grid`: clusters of all splits of a row tile
+// (MERGE), else none. `attr` holds the cluster shape.
 template <int COPY, bool MERGE>
 cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, cudaLaunchConfig_t* cfg) {
   const cudaError_t e = cudaFuncSetAttribute(verify_attention_wgmma_kernel<COPY, MERGE>,
@@ -551,16 +521,15 @@ cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, c
   cfg->dynamicSmemBytes = SMEM_BYTES;
   cfg->stream = st;
   attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = MERGE ? 1 : copy_cluster(COPY);
-  attr->val.clusterDim.y = MERGE ? grid.y : 1;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = grid.y;
   attr->val.clusterDim.z = 1;
   cfg->attrs = attr;
-  cfg->numAttrs = MERGE || copy_cluster(COPY) > 1 ? 1 : 0;
+  cfg->numAttrs = MERGE ? 1 : 0;
   return e;
 }
 
-// Launches path (COPY, MERGE) (grid.x a multiple of copy_cluster(COPY)). Each instantiation sits in its
-// own source file.
+// Launches path (COPY, MERGE). Each instantiation sits in its own source file.
 template <int COPY, bool MERGE>
 int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
   cudaLaunchAttribute attr;
@@ -576,7 +545,7 @@ template <int COPY, bool MERGE>
 int wgmma_path_wave(int splits, int* ctas) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  const dim3 one(MERGE ? 1 : copy_cluster(COPY), MERGE ? splits : 1, 1);  // one cluster
+  const dim3 one(1, MERGE ? splits : 1, 1);  // one cluster
   cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
   if (e != cudaSuccess) return (int)e;
   if (cfg.numAttrs == 0) {

@@ -8,15 +8,15 @@
 
 namespace kd {
 
-// Key-tile copy paths: cp.async by warpgroup 1 (any page size), or TMA issued by one
-// thread, in clusters of 1 or 2 CTAs (pairs share each tile by multicast), or RUNS (page
-// sizes off 64): a tile whose 64 keys sit in 64 consecutive cache rows goes by TMA, any
-// other by cp.async, decided tile by tile (SGLang's page size 1 keeps a prefill's keys in
-// one run of rows, so most of a long request's tiles are runs).
+// Key-tile copy paths (the plan's `copy` codes): cp.async by warpgroup 1 (any page size),
+// TMA issued by one thread (page sizes that are multiples of 64: a tile is one page slab),
+// or RUNS (page sizes off 64): a tile whose 64 keys sit in 64 consecutive cache rows goes
+// by TMA, any other by cp.async, decided tile by tile (SGLang's page size 1 keeps a
+// prefill's keys in one run of rows, so most of a long request's tiles are runs). Code 2
+// (TMA multicast to pairs of row tiles) was removed after v16.
 constexpr int COPY_CP_ASYNC = 0;
+constexpr int COPY_TMA = 1;
 constexpr int COPY_RUNS = 3;
-// CTAs a cluster of copy path `copy` shares its key tiles over (1: no multicast).
-__host__ __device__ constexpr int copy_cluster(int copy) { return copy == 2 ? 2 : 1; }
 
 // Shared memory of a CTA: Q and two key tiles of 576 columns x 64 rows (bf16, 128-byte
 // swizzled), P (64 x 64 bf16), four float rows (rescale, sums, maxima, and the mbarriers of
@@ -32,8 +32,8 @@ constexpr int WGMMA_MERGE_MAX_SPLITS = 2;
 constexpr int WGMMA_MERGE_MIN_ROW_TILES = 16;
 
 // Launches path (COPY, MERGE) over the grid (row tiles, splits, B); a TMA path reads the
-// cache through `kv_map` (tiles of 64 x 64, 128-byte swizzle), grid.x a multiple of copy_cluster(COPY).
-// MERGE (COPY 1 or COPY_RUNS): the splits of a row tile merge in their cluster, writing out and
+// cache through `kv_map` (tiles of 64 x 64, 128-byte swizzle).
+// MERGE (COPY_TMA or COPY_RUNS): the splits of a row tile merge in their cluster, writing out and
 // lse themselves (no combine kernel follows).
 template <int COPY, bool MERGE>
 int launch_verify_wgmma_path(const VerifyParams& p, const CUtensorMap& kv_map, int B, cudaStream_t st);

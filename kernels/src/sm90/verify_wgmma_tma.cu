@@ -1,5 +1,5 @@
-// The wgmma verify kernel's TMA copy path without clusters (fewer than 16 row tiles, or an
-// odd number).
+// The wgmma verify kernel's TMA copy path (page slabs), splits merged by the combine kernel
+// or not split.
 #include "verify_wgmma.cuh"
 
-KD_DEFINE_WGMMA_PATH(1, false)
+KD_DEFINE_WGMMA_PATH(COPY_TMA, false)
