@@ -57,9 +57,9 @@ def main():
     for splits in (2, 3):  # clusters of 2 (a partial last row tile, P = 0); 3 combine
         ops.tree_verify(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
                         0.130861, num_splits=splits)
-    pairs = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles: TMA to pairs
-    for path in ("auto", "wgmma_combine"):  # 2 splits: pairs merge through the combine kernel
-        ops.tree_verify(pairs.q, pairs.kv_cache, pairs.block_table, pairs.seq_lens, pairs.visibility,
+    wide = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles
+    for path in ("auto", "wgmma_combine"):  # 2 splits through the combine kernel when forced
+        ops.tree_verify(wide.q, wide.kv_cache, wide.block_table, wide.seq_lens, wide.visibility,
                         0.130861, kernel=path, num_splits=1 if path == "auto" else 2)
     # Page size 1 (SGLang's pool): tiles of consecutive rows by TMA, the others by cp.async
     # (auto; 2 splits of its 24 row tiles merge in clusters), or every tile by cp.async, one

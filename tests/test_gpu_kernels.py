@@ -765,13 +765,13 @@ def test_verify_split_partials_cost_at_most_one_rounding(ops, verify_path, num_s
     assert split <= whole + 2 ** -9, (whole, split)
 
 
-# The TMA copy: pairs of row tiles (16 or more, even) and single CTAs, a partial last row
-# tile, pages of 128 and 192 rows (a tile starts inside a page), ragged requests with
-# P = 0 and a last key tile that ends inside its page (NaN past it must not reach P V).
+# The TMA copy: a partial last row tile, pages of 128 and 192 rows (a tile starts inside a
+# page), ragged requests with P = 0 and a last key tile that ends inside its page (NaN past
+# it must not reach P V).
 TMA_GRID = [
-    ([0, 1, 63, 650], 125, 8, 64),    # 1000 rows: 16 row tiles in pairs, the last 40 rows
-    ([64, 3, 1000], 16, 64, 128),      # 16 row tiles in pairs
-    ([0, 300, 129], 17, 64, 192),      # 17 row tiles: single CTAs; pages of 3 tiles
+    ([0, 1, 63, 650], 125, 8, 64),    # 1000 rows: 16 row tiles, the last 40 rows
+    ([64, 3, 1000], 16, 64, 128),      # 16 row tiles
+    ([0, 300, 129], 17, 64, 192),      # 17 row tiles; pages of 3 tiles
     ([700, 5], 24, 8, 64),            # 3 row tiles
 ]
 
