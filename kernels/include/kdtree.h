@@ -73,8 +73,8 @@ typedef struct kd_verify_plan {
   int B, D, H, page_size, max_pages, path, device;
   // The choices: kernel 0 mma.sync, 1 wgmma; copy 0 cp.async, 1 TMA, 3 TMA for each tile of
   // 64 consecutive cache rows and cp.async for the others (page sizes off 64; 2, multicast
-  // pairs, is no longer made); merge 0 one split, 1 splits
-  // merged in thread-block clusters, 2 bf16 partials merged by the combine kernel.
+  // pairs, is no longer made); merge 0 one split, 1 splits merged in thread-block clusters,
+  // 2 bf16 partials merged by the combine kernel.
   int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch;
 } kd_verify_plan;
 
