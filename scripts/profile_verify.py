@@ -10,7 +10,9 @@ tile landed), 4 + 4i S done, 5 + 4i P ready (softmax done), 6 + 4i warpgroup 1 r
 i + 1; 43 loop done, 46 exit (0 and 47: the global timer at entry and exit, ns). A split that
 merges in its cluster leaves before 46. Printed per split: the prologue, then per tile S, the
 softmax and the rest of the period (P ready to the next S issue, or to the loop's end for a
-split's last tile), in cycles.
+split's last tile), in cycles. With --latency, per tile i >= 1 also the cycles from warpgroup 1's
+request of it (stamp 6 + 4(i - 1)) to its S issue: an upper bound on its copy's latency, equal
+to it where S waited for the tile.
 """
 import argparse
 import ctypes
@@ -33,6 +35,8 @@ def main():
                    help="block-table order (workloads.page_order); runs: SGLang's page-1 prefills")
     a.add_argument("--splits", type=int, default=4, help="splits printed (of row tile 0, request 0)")
     a.add_argument("--launches", type=int, default=3, help="launches; the last one's stamps are read")
+    a.add_argument("--latency", action="store_true",
+                   help="per tile, request to S issue (the copy's latency where S waited for it)")
     args = a.parse_args()
     if "KDTREE_LIB" not in os.environ:
         raise SystemExit("set KDTREE_LIB to a profile build (-DKD_VERIFY_PROFILE)")
@@ -67,6 +71,9 @@ def main():
                 rows.append(f"{s[4 + 4 * i] - s[3 + 4 * i]}/{s[5 + 4 * i] - s[4 + 4 * i]}/{rest}")
             exit_ = f", epilogue {s[46] - s[43]}, {(s[47] - s[0]) / 1e3:.1f} us entry to exit" if s[46] else ""
             print(f"   split {split}: prologue {s[2] - s[1]}; tiles S/softmax/rest: {' '.join(rows)}{exit_}")
+            if args.latency:
+                waits = [f"{s[3 + 4 * i] - s[6 + 4 * (i - 1)]}" for i in tiles if i and s[6 + 4 * (i - 1)]]
+                print(f"     request to S issue, tiles 1..: {' '.join(waits)}")
 
 
 if __name__ == "__main__":
