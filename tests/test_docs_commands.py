@@ -76,6 +76,8 @@ COVERED = {
                                               "docs/kernels/verify_attention.md)"),
     "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
                                          "tests/test_kernel_host.py"),
+    "scripts/profile_verify.py --latency": ("gpu", "a profile build of c93256c on the H200 (session 36, "
+                                                   "docs/kernels/verify_attention.md)"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),
