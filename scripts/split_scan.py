@@ -11,7 +11,7 @@ import torch
 
 from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
-from kdtree.harness.sweeps.verify_attn import cache_copies, floor_us, gpu_case, replay_inner, rotation
+from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, floor_us, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import time_graph
 from kdtree.reference.attention import attention_bytes
 
@@ -34,7 +34,7 @@ def main():
                 for B in args.batches:
                     q, cache, table, seq, vis = gpu_case(B, D, H, P, args.page, seed=B + D + H + P)
                     copies = cache_copies(cache, cap=64)
-                    caches = [cache] + [cache.clone() for _ in range(copies - 1)]
+                    caches = cache_set(cache, copies)
                     nbytes = attention_bytes(B, D, H, P)
                     for s in [None] + args.splits:
                         plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s)

@@ -11,7 +11,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kdtree import ops
-from kdtree.harness.sweeps.verify_attn import cache_copies, gpu_case, replay_inner, rotation
+from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import capture_graph, time_graph
 
 SCALE = 0.130861
@@ -50,7 +50,7 @@ def main():
     for B, H, D, P, page in args.shapes:
         q, cache, table, seq, vis = gpu_case(B, D, H, P, page, seed=B + D + H + P, layout="runs")
         copies = cache_copies(cache)
-        caches = [cache] + [cache.clone() for _ in range(copies - 1)]
+        caches = cache_set(cache, copies)
         out = ops.tree_verify(q, cache, table, seq, vis, SCALE)
         inner = replay_inner(copies, 5)
         next_cache = rotation(caches)

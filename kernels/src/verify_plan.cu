@@ -80,7 +80,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
     pl.rows_per_cta = kd::WGMMA_ROWS;
     pl.keys_per_tile = kd::WGMMA_KEYS;
     pl.copy = kd::verify_wgmma_copy_path(page_size, path);
-    rc = kd::verify_wgmma_wave(pl.copy, &wave);
+    wave = d->sms;  // one CTA an SM on every path (its shared memory); clusters only merge
 #endif
   } else {
     pl.kernel = 0;

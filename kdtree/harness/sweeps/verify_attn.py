@@ -113,6 +113,11 @@ def cache_copies(cache, cap: int = 128) -> int:
     return max(1, min(cap, math.ceil(2 * l2 / max(cache.numel() * 2, 1))))
 
 
+def cache_set(cache, copies: int) -> list:
+    """`cache` and `copies - 1` clones of it, for a timing to rotate through (cache_copies)."""
+    return [cache] + [cache.clone() for _ in range(copies - 1)]
+
+
 def replay_inner(copies: int, want: int) -> int:
     """Calls a captured graph holds: at least `want`, a whole number of passes over the copies."""
     return copies * max(1, math.ceil(want / copies))
@@ -139,7 +144,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     scale = cfg["scale"]
     copies = cache_copies(cache)
     ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
-    caches = [cache] + [cache.clone() for _ in range(copies - 1)]
+    caches = cache_set(cache, copies)
     out = ops.tree_verify(q, cache, table, seq, vis, scale)
     inner = replay_inner(copies, cfg["graph_inner"])
 

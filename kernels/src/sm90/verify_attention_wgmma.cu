@@ -1,5 +1,5 @@
 // Host side of the wgmma verify kernel (sm_90a builds only): which copy path a launch
-// takes, the cache's tensor map for the TMA paths, and the wave the host sizes splits by.
+// takes, the cache's tensor map for the TMA paths, and which launches merge their splits.
 //
 // TMA needs a 16-byte aligned cache (kd_verify_attention refuses any other) and the
 // driver's tensor-map encoder, fetched through the runtime (cudaGetDriverEntryPointByVersion:
@@ -74,9 +74,10 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   return true;
 }
 
-// The copy path for this page size: COPY_CP_ASYNC, COPY_TMA or COPY_RUNS.
-int copy_path(int page_size, int64_t rows, int path) {
-  if (path == KD_VERIFY_WGMMA_CP_ASYNC || rows >= (int64_t{1} << 31) || !encoder()) return COPY_CP_ASYNC;
+// The copy path for this page size: COPY_CP_ASYNC, COPY_TMA or COPY_RUNS (a cache too
+// large for a tensor map falls back to cp.async at launch, launch_verify_wgmma).
+int copy_path(int page_size, int path) {
+  if (path == KD_VERIFY_WGMMA_CP_ASYNC || !encoder()) return COPY_CP_ASYNC;
   return page_size % 64 == 0 ? COPY_TMA : COPY_RUNS;
 }
 
@@ -90,31 +91,23 @@ int merge_clusters(int dev, int copy, int splits) {
   std::atomic<int>& k = known[dev][copy == COPY_RUNS][splits];
   const int kept = k.load(std::memory_order_relaxed);
   if (kept > 0) return kept - 1;
-  int ctas = 0;
-  const int rc = copy == COPY_RUNS ? verify_wgmma_path_wave<COPY_RUNS, true>(splits, &ctas)
-                                   : verify_wgmma_path_wave<COPY_TMA, true>(splits, &ctas);
+  int clusters = 0;
+  const int rc = copy == COPY_RUNS ? verify_wgmma_merge_clusters<COPY_RUNS>(splits, &clusters)
+                                   : verify_wgmma_merge_clusters<COPY_TMA>(splits, &clusters);
   if (rc != 0) {
     cudaGetLastError();  // leaves no error behind for the caller's next check
     return 0;
   }
-  k.store(ctas / splits + 1, std::memory_order_relaxed);
-  return ctas / splits;
+  k.store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
 }
 
 }  // namespace
 
-int verify_wgmma_copy_path(int page_size, int path) { return copy_path(page_size, 0, path); }
-
-int verify_wgmma_wave(int copy, int* ctas) {
-  switch (copy) {
-    case COPY_TMA: return verify_wgmma_path_wave<COPY_TMA, false>(1, ctas);
-    case COPY_RUNS: return verify_wgmma_path_wave<COPY_RUNS, false>(1, ctas);
-    default: return verify_wgmma_path_wave<COPY_CP_ASYNC, false>(1, ctas);
-  }
-}
+int verify_wgmma_copy_path(int page_size, int path) { return copy_path(page_size, path); }
 
 bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
-  const int copy = copy_path(page_size, 0, path);
+  const int copy = copy_path(page_size, path);
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
       copy == COPY_CP_ASYNC)
     return false;
@@ -124,8 +117,9 @@ bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) 
   return row_tiles <= merge_clusters(dev, copy, num_splits);
 }
 
-// The plan's copy path, unless the cache is too large for a tensor map or its map cannot be
-// encoded: then cp.async, and the splits (if any) go to the combine kernel.
+// The plan's copy path, unless the cache is too large for a tensor map (2^31 rows and more)
+// or its map cannot be encoded: then cp.async, and the splits (if any) go to the combine
+// kernel.
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged) {
   CUtensorMap map = {};
   if (copy != COPY_CP_ASYNC && ((int64_t)p.num_pages * p.page_size >= (int64_t{1} << 31) || !kv_map(p, &map)))

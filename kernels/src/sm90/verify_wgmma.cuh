@@ -539,32 +539,22 @@ int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cud
   return (int)e;
 }
 
-// CTAs of path (COPY, MERGE) resident at once on this device, MERGE's clusters of `splits`:
-// one an SM without clusters; clusters must fit the GPCs, so fewer may be.
-template <int COPY, bool MERGE>
-int wgmma_path_wave(int splits, int* ctas) {
+// Clusters of `splits` CTAs of the merging path COPY resident at once on this device: they
+// must fit the GPCs, so fewer than SMs / splits may be.
+template <int COPY>
+int merge_clusters_resident(int splits, int* clusters) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  const dim3 one(1, MERGE ? splits : 1, 1);  // one cluster
-  cudaError_t e = path_config<COPY, MERGE>(one, nullptr, &attr, &cfg);
-  if (e != cudaSuccess) return (int)e;
-  if (cfg.numAttrs == 0) {
-    const DeviceFacts* d = nullptr;
-    const int rc = device_facts(&d);
-    if (rc == 0) *ctas = d->sms;
-    return rc;
-  }
-  int clusters = 0;
-  e = cudaOccupancyMaxActiveClusters(&clusters, verify_attention_wgmma_kernel<COPY, MERGE>, &cfg);
-  if (e != cudaSuccess) return (int)e;
-  *ctas = clusters * (int)(one.x * one.y);
-  return 0;
+  cudaError_t e = path_config<COPY, true>(dim3(1, splits, 1), nullptr, &attr, &cfg);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(clusters, verify_attention_wgmma_kernel<COPY, true>, &cfg);
+  return (int)e;
 }
 
 }  // namespace
 }  // namespace kd
 
-// The per-path entry points (verify_wgmma_paths.cuh), defined by each instantiation file.
+// The per-path entry points (verify_wgmma_paths.cuh), defined by each instantiation file;
+// a merging path also answers how many of its clusters fit.
 #define KD_DEFINE_WGMMA_PATH(COPY, MERGE)                                                        \
   namespace kd {                                                                                 \
   template <>                                                                                    \
@@ -572,8 +562,12 @@ int wgmma_path_wave(int splits, int* ctas) {
                                             cudaStream_t st) {                                   \
     return launch_wgmma_path<COPY, MERGE>(p, m, B, st);                                          \
   }                                                                                              \
+  }
+#define KD_DEFINE_WGMMA_MERGE_PATH(COPY)                                                         \
+  KD_DEFINE_WGMMA_PATH(COPY, true)                                                               \
+  namespace kd {                                                                                 \
   template <>                                                                                    \
-  int verify_wgmma_path_wave<COPY, MERGE>(int splits, int* ctas) {                               \
-    return wgmma_path_wave<COPY, MERGE>(splits, ctas);                                           \
+  int verify_wgmma_merge_clusters<COPY>(int splits, int* clusters) {                             \
+    return merge_clusters_resident<COPY>(splits, clusters);                                      \
   }                                                                                              \
   }

@@ -37,9 +37,9 @@ constexpr int WGMMA_MERGE_MIN_ROW_TILES = 16;
 // lse themselves (no combine kernel follows).
 template <int COPY, bool MERGE>
 int launch_verify_wgmma_path(const VerifyParams& p, const CUtensorMap& kv_map, int B, cudaStream_t st);
-// CTAs of path (COPY, MERGE) resident at once on the current device, with `splits` a row
-// tile (MERGE's cluster size).
-template <int COPY, bool MERGE>
-int verify_wgmma_path_wave(int splits, int* ctas);
+// Clusters of `splits` CTAs (a row tile's splits) of the merging path COPY resident at once
+// on the current device. Unclustered launches need no such query: one CTA an SM.
+template <int COPY>
+int verify_wgmma_merge_clusters(int splits, int* clusters);
 
 }  // namespace kd

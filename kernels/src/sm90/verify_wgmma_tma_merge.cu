@@ -2,4 +2,4 @@
 // in their cluster through distributed shared memory (no partials, no combine kernel).
 #include "verify_wgmma.cuh"
 
-KD_DEFINE_WGMMA_PATH(COPY_TMA, true)
+KD_DEFINE_WGMMA_MERGE_PATH(COPY_TMA)

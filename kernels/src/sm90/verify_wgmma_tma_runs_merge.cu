@@ -2,4 +2,4 @@
 // in their cluster through distributed shared memory, as on the page-slab path.
 #include "verify_wgmma.cuh"
 
-KD_DEFINE_WGMMA_PATH(COPY_RUNS, true)
+KD_DEFINE_WGMMA_MERGE_PATH(COPY_RUNS)
