@@ -191,11 +191,12 @@ int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool de
 // its launcher (copy and merge as planned; `merged`: the splits merged in the kernel, so
 // no combine follows), shared memory a CTA (one CTA an SM), the copy path this page size
 // takes (the plan's copy code: 0 cp.async, 1 TMA page slabs, 3 runs), and whether a launch
-// of B requests with these splits merges them in clusters. `path`: KD_VERIFY_*.
+// of B requests with these splits on that copy path merges them in clusters. `path`:
+// KD_VERIFY_*.
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged);
 size_t verify_wgmma_smem_bytes();
 int verify_wgmma_copy_path(int page_size, int path);
-bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path);
+bool verify_wgmma_merges(int B, int R, int copy, int num_splits, int path);
 // The mma.sync kernel's host side (verify_attention.cu): the rows a CTA takes for R query
 // rows on this device, CTAs resident at once with that tile, and its launcher.
 int verify_mma_rows(const DeviceFacts& d, int R);

@@ -97,7 +97,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   if (pl.num_splits > 1) {
     pl.merge = 2;
 #ifdef KD_HAS_SM90A
-    if (pl.kernel == 1 && kd::verify_wgmma_merges(B, R, page_size, pl.num_splits, path)) pl.merge = 1;
+    if (pl.kernel == 1 && kd::verify_wgmma_merges(B, R, pl.copy, pl.num_splits, path)) pl.merge = 1;
 #endif
   }
   *plan = pl;

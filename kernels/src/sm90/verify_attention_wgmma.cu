@@ -74,13 +74,6 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
   return true;
 }
 
-// The copy path for this page size: COPY_CP_ASYNC, COPY_TMA or COPY_RUNS (a cache too
-// large for a tensor map falls back to cp.async at launch, launch_verify_wgmma).
-int copy_path(int page_size, int path) {
-  if (path == KD_VERIFY_WGMMA_CP_ASYNC || !encoder()) return COPY_CP_ASYNC;
-  return page_size % 64 == 0 ? COPY_TMA : COPY_RUNS;
-}
-
 // Clusters of `splits` CTAs (MERGE) of copy path `copy` (COPY_TMA or COPY_RUNS) resident at once on
 // device `dev`, asked once per device, path and size (kept plus one: static zeros mean not
 // asked). A failed query gives 0, so that launch does not merge, and is asked again next time.
@@ -104,10 +97,14 @@ int merge_clusters(int dev, int copy, int splits) {
 
 }  // namespace
 
-int verify_wgmma_copy_path(int page_size, int path) { return copy_path(page_size, path); }
+// The copy path for this page size: COPY_CP_ASYNC, COPY_TMA or COPY_RUNS (a cache too
+// large for a tensor map falls back to cp.async at launch, launch_verify_wgmma).
+int verify_wgmma_copy_path(int page_size, int path) {
+  if (path == KD_VERIFY_WGMMA_CP_ASYNC || !encoder()) return COPY_CP_ASYNC;
+  return page_size % 64 == 0 ? COPY_TMA : COPY_RUNS;
+}
 
-bool verify_wgmma_merges(int B, int R, int page_size, int num_splits, int path) {
-  const int copy = copy_path(page_size, path);
+bool verify_wgmma_merges(int B, int R, int copy, int num_splits, int path) {
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
       copy == COPY_CP_ASYNC)
     return false;
