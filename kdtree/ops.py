@@ -317,6 +317,7 @@ VERIFY_KERNELS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
 _KERNEL_NAMES = {0: "mma_sync", 1: "wgmma"}
 _COPY_NAMES = {0: "cp_async", 1: "tma", 3: "tma_runs"}
 _MERGE_NAMES = {0: "none", 1: "cluster", 2: "combine_kernel"}
+_COMBINE_NAMES = {0: "plain", 1: "programmatic", 2: "programmatic_one_per_sm"}
 
 
 class TreeVerifyResult(NamedTuple):
@@ -335,9 +336,10 @@ class TreeVerifyResult(NamedTuple):
 
 class TreeVerifyPlan:
     """Tree-verify attention planned once for a shape, then run many times (FlashInfer's
-    plan/run): the kernel, key copy, splits and split merge are chosen by the library's one
-    heuristics table (kernels/src/verify_plan.cu) when the plan is made, on the current (or
-    given) CUDA device, and the split workspace is allocated then.
+    plan/run): the kernel, key copy, splits and split merge (and, where the combine kernel
+    merges, how it follows the attention kernel: ``combine``) are chosen by the library's
+    one heuristics table (kernels/src/verify_plan.cu) when the plan is made, on the current
+    (or given) CUDA device, and the split workspace is allocated then.
 
     ``B`` requests of ``D`` tree slots and ``H`` heads, over a paged latent cache of
     ``page_size`` keys a page and block tables of ``max_pages`` columns. ``kernel``: one of
@@ -367,6 +369,7 @@ class TreeVerifyPlan:
         self.copy = _COPY_NAMES[pl.copy] if pl.kernel == 1 else "cp_async"
         self.num_splits = pl.num_splits
         self.merge = _MERGE_NAMES[pl.merge]
+        self.combine = _COMBINE_NAMES[pl.combine] if self.merge == "combine_kernel" else None
         self.rows_per_cta, self.keys_per_tile = pl.rows_per_cta, pl.keys_per_tile
         self.small_launch = bool(pl.small_launch)
         self._ref = ctypes.byref(pl)
@@ -375,7 +378,7 @@ class TreeVerifyPlan:
     def __repr__(self):
         return (f"TreeVerifyPlan(B={self.B}, D={self.D}, H={self.H}, page_size={self.page_size}, "
                 f"max_pages={self.max_pages}: kernel={self.kernel}, copy={self.copy}, "
-                f"num_splits={self.num_splits}, merge={self.merge})")
+                f"num_splits={self.num_splits}, merge={self.merge}, combine={self.combine})")
 
     @property
     def name(self) -> str:

@@ -57,6 +57,10 @@ def main():
     for splits in (2, 3):  # clusters of 2 (a partial last row tile, P = 0); 3 combine
         ops.tree_verify(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
                         0.130861, num_splits=splits)
+    tiny = paged_case([0, 900, 64, 3000], 1, 8, 64, seed=6, device="cuda")  # combines of <= 128 CTAs
+    for splits in (3, 40):  # Hopper: a programmatic dependent of the wgmma kernel, one CTA an SM
+        ops.tree_verify(tiny.q, tiny.kv_cache, tiny.block_table, tiny.seq_lens, tiny.visibility,
+                        0.130861, num_splits=splits)
     wide = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles
     for path in ("auto", "wgmma_combine"):  # 2 splits through the combine kernel when forced
         ops.tree_verify(wide.q, wide.kv_cache, wide.block_table, wide.seq_lens, wide.visibility,

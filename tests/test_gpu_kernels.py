@@ -673,6 +673,15 @@ def test_hopper_dispatches_to_wgmma(ops):
     merge = lambda B, page=64, splits=2, kernel="auto": plan(ops, B, 16 * 8, page, kernel=kernel,
                                                              num_splits=splits).merge
     assert merge(16, splits=1) == "none"
+    # The combine follows as a programmatic dependent: after wgmma held to one CTA an SM
+    # where it launches at most SMs CTAs (a warp per half row: 2 B R / 8), else plainly.
+    combine = lambda B, R, splits, kernel="auto": plan(ops, B, R, kernel=kernel, num_splits=splits).combine
+    assert combine(16, 8, 8) == "programmatic_one_per_sm"          # 32 CTAs
+    if sms >= 128:
+        assert combine(4, 8, 40) == "programmatic_one_per_sm"      # a CTA per quarter row: 128
+    assert combine(16, 16 * 8, 4) == "plain"                       # 512 CTAs
+    assert combine(1, 8, 40, kernel="mma_sync") == "programmatic"  # after mma.sync, always
+    assert combine(16, 8, 1) is None and combine(8, 16 * 8, 2) is None  # one split; clusters
     assert merge(8) == "cluster"                  # 16 row tiles
     assert merge(8, splits=3) == "combine_kernel"  # above 2
     assert merge(7) == "combine_kernel"           # 14 row tiles
@@ -752,6 +761,15 @@ def test_verify_attention_scores_that_climb(ops, verify_path, page, num_splits):
 def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits):
     case = paged_case([0, 90, 777, 1500], 17, 8, 64, seed=num_splits + 10 * bits, device=DEV)
     check_attention(ops, case, num_splits=num_splits, bits=bits, kernel=verify_path)
+
+
+# Combines of at most one CTA an SM (here 2-128 on the H200) follow the wgmma kernel as
+# programmatic dependents held to one CTA an SM (verify_plan.cu, "combine"): both layouts.
+@pytest.mark.parametrize("D", [1, 3])
+@pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
+def test_verify_attention_small_combines(ops, verify_path, D, num_splits):
+    case = paged_case([0, 90, 777, 1500], D, 8, 64, seed=num_splits + D, device=DEV)
+    check_attention(ops, case, num_splits=num_splits, kernel=verify_path)
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
@@ -921,11 +939,13 @@ def test_round_captures_in_one_cuda_graph(ops):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 32])
-def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_splits):
+@pytest.mark.parametrize("prefixes,D", [([4000, 1000, 0, 300, 2000, 64], 17), ([4000, 0, 300, 2000], 1)])
+def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_splits, prefixes, D):
     """Splits captured into a graph and replayed on fresh queries: merged in clusters (2 on
-    Hopper's auto path: 18 row tiles) or by the combine kernel (both of its layouts), which
-    must still see finished partials."""
-    case = paged_case([4000, 1000, 0, 300, 2000, 64], 17, 8, 64, seed=21, device=DEV)
+    Hopper's auto path: 18 row tiles) or by the combine kernel (both of its layouts; at D 1
+    a combine of at most one CTA an SM, a programmatic dependent after wgmma), which must
+    still see finished partials."""
+    case = paged_case(prefixes, D, 8, 64, seed=21, device=DEV)
     B, D, H, _ = case.q.shape
     q = case.q.clone()
     out = torch.empty(B, D, H, 512, dtype=torch.bfloat16, device=DEV)

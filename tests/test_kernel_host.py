@@ -267,6 +267,10 @@ def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib_pat
     assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 3, None, ok, ok, 0, 0.13, ok, ok, ok, ok, None) == 1001
     assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, None, None,
                             None) == 1001
+    for combine in (-1, 3):  # a combine launch the library does not know
+        plan.combine = combine
+        assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, ok, ok,
+                                None) == 1001, combine
 
 
 @pytest.mark.parametrize("L", [16, 17, 40])

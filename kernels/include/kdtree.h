@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 4
+#define KD_ABI_VERSION 5
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
@@ -74,8 +74,10 @@ typedef struct kd_verify_plan {
   // The choices: kernel 0 mma.sync, 1 wgmma; copy 0 cp.async, 1 TMA, 3 TMA for each tile of
   // 64 consecutive cache rows and cp.async for the others (page sizes off 64; 2, multicast
   // pairs, is no longer made); merge 0 one split, 1 splits merged in thread-block clusters,
-  // 2 bf16 partials merged by the combine kernel.
-  int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch;
+  // 2 bf16 partials merged by the combine kernel; combine (where a combine runs) 0 a plain
+  // launch after the attention kernel, 1 its programmatic dependent, 2 a programmatic
+  // dependent held to one CTA an SM.
+  int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch, combine;
 } kd_verify_plan;
 
 // Plans a launch of B requests, D tree slots and H heads each, over block tables of

@@ -19,9 +19,10 @@ constexpr float NEG_INF_FLOOR = -1.0e4f;   // -inf log-probs are clamped to this
 constexpr int64_t PAD_TOKEN = 0;
 
 // What launch paths read off the current device, once per device (so launches query no
-// attributes): its index, SMs, shared memory a block may opt in to, compute capability.
+// attributes): its index, SMs, shared memory a block may opt in to and an SM holds, compute
+// capability.
 struct DeviceFacts {
-  int device, sms, smem_optin, major, minor, ready;
+  int device, sms, smem_optin, smem_sm, major, minor, ready;
 };
 inline int device_facts(const DeviceFacts** out) {
   static DeviceFacts facts[64];
@@ -33,6 +34,7 @@ inline int device_facts(const DeviceFacts** out) {
   if (!f.ready) {
     e = cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) return (int)e;

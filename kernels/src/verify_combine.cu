@@ -158,10 +158,14 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   }
 }
 
-// `dependent`: launched as a programmatic dependent of the attention kernel (its CTAs may
-// be scheduled as that kernel drains, and wait in pdl_wait()).
+// `how` (CombineLaunch): a dependent is launched as a programmatic dependent of the
+// attention kernel (its CTAs may be scheduled as that kernel drains, and wait in
+// pdl_wait()). SPREAD asks for more than half an SM's shared memory (unused), so one CTA
+// fits an SM: CTAs scheduled early land on the SMs the attention kernel leaves free, and
+// more than one there would pile the combine's reads onto those few SMs.
 template <class... Params, class... Args>
-int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, bool dependent, Args... args) {
+int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, int how, const DeviceFacts& d,
+           Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -170,17 +174,27 @@ int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, bool dependent
   cfg.blockDim = dim3(32 * WARPS);
   cfg.stream = st;
   cfg.attrs = attr;
-  cfg.numAttrs = KD_PDL && dependent ? 1 : 0;
+  cfg.numAttrs = KD_PDL && how != COMBINE_PLAIN ? 1 : 0;
+  if (KD_PDL && how == COMBINE_DEPENDENT_SPREAD) {
+    cfg.dynamicSmemBytes = (size_t)d.smem_sm / 2 + 1;
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)cfg.dynamicSmemBytes);
+    if (e != cudaSuccess) return (int)e;
+  }
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
 }  // namespace
 
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool dependent) {
+long long combine_ctas(int B, int R, int num_splits) {
+  return num_splits < ROW_SPLITS ? ((long long)2 * B * R + WARPS - 1) / WARPS : (long long)4 * B * R;
+}
+
+int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
   const int rc = p.num_splits < ROW_SPLITS
-      ? launch(combine_half_rows, dim3(ceil_div(2 * B * p.R, WARPS)), st, dependent, p.part_out,
+      ? launch(combine_half_rows, dim3(ceil_div(2 * B * p.R, WARPS)), st, how, d, p.part_out,
                p.part_lse, p.R, p.num_splits, 2 * B * p.R, p.out, p.lse)
-      : launch(combine_quarter_rows, dim3(4, p.R, B), st, dependent, p.part_out, p.part_lse, p.R,
+      : launch(combine_quarter_rows, dim3(4, p.R, B), st, how, d, p.part_out, p.part_lse, p.R,
                p.num_splits, p.out, p.lse);
   if (rc) return rc;
   KD_LAUNCH_CHECK();

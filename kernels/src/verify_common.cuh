@@ -183,20 +183,24 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
   }
 }
 
-// The combine of a split launch (verify_combine.cu), launched after the attention kernel;
-// `dependent`: as its programmatic dependent (the attention kernel triggers it).
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, bool dependent);
+// The combine of a split launch (verify_combine.cu), launched after the attention kernel:
+// plainly, as its programmatic dependent (the attention kernel triggers it), or as a
+// dependent held to one CTA an SM (the plan's rule, verify_plan.cu). combine_ctas: the
+// CTAs it launches.
+enum CombineLaunch { COMBINE_PLAIN = 0, COMBINE_DEPENDENT = 1, COMBINE_DEPENDENT_SPREAD = 2 };
+int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d);
+long long combine_ctas(int B, int R, int num_splits);
 
 // The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):
 // its launcher (copy and merge as planned; `merged`: the splits merged in the kernel, so
 // no combine follows), shared memory a CTA (one CTA an SM), the copy path this page size
 // takes (the plan's copy code: 0 cp.async, 1 TMA page slabs, 3 runs), and whether a launch
-// of B requests with these splits on that copy path merges them in clusters. `path`:
-// KD_VERIFY_*.
+// of B requests with these splits on that copy path merges them in clusters on `device`.
+// `path`: KD_VERIFY_*.
 int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy, bool merge, bool* merged);
 size_t verify_wgmma_smem_bytes();
 int verify_wgmma_copy_path(int page_size, int path);
-bool verify_wgmma_merges(int B, int R, int copy, int num_splits, int path);
+bool verify_wgmma_merges(int device, int B, int R, int copy, int num_splits, int path);
 // The mma.sync kernel's host side (verify_attention.cu): the rows a CTA takes for R query
 // rows on this device, CTAs resident at once with that tile, and its launcher.
 int verify_mma_rows(const DeviceFacts& d, int R);

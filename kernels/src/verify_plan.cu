@@ -18,15 +18,31 @@
 // |         | tiles else 2), 1..128; then only those that hold keys at max_seq          |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
+// | combine | on 9.x a programmatic dependent: after mma.sync always; after wgmma where  |
+// |         | it launches at most SMs CTAs, held to one CTA an SM; else a plain launch   |
 //
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
 #include "verify_common.cuh"
+
+// How the combine follows the wgmma kernel where the table's rule holds (A/B builds: 0
+// plain, 1 a dependent without the one-CTA-an-SM hold, 2 as planned).
+#ifndef KD_WGMMA_COMBINE
+#define KD_WGMMA_COMBINE 2
+#endif
 
 namespace kd {
 namespace {
 
 bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
   return 2LL * B * ((max_seq + 63) / 64) < d.sms;
+}
+
+// How a combine follows the attention kernel (CombineLaunch). Not measured on sm_120, so a
+// plain launch there.
+int combine_launch(const DeviceFacts& d, int kernel, int B, int R, int num_splits) {
+  if (d.major != 9) return COMBINE_PLAIN;
+  if (kernel == 0) return COMBINE_DEPENDENT;
+  return combine_ctas(B, R, num_splits) <= d.sms ? KD_WGMMA_COMBINE : COMBINE_PLAIN;
 }
 
 bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
@@ -97,8 +113,11 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   if (pl.num_splits > 1) {
     pl.merge = 2;
 #ifdef KD_HAS_SM90A
-    if (pl.kernel == 1 && kd::verify_wgmma_merges(B, R, pl.copy, pl.num_splits, path)) pl.merge = 1;
+    if (pl.kernel == 1 && kd::verify_wgmma_merges(d->device, B, R, pl.copy, pl.num_splits, path)) pl.merge = 1;
 #endif
+    // Set where the splits merge in clusters too: a launch that cannot encode its tensor
+    // map falls back to the combine.
+    pl.combine = kd::combine_launch(*d, pl.kernel, B, R, pl.num_splits);
   }
   *plan = pl;
   return 0;
@@ -109,7 +128,8 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
                              const int32_t* seq_lens, const void* visibility, int vis_bits, float scale,
                              void* out, float* lse, void* partial_out, float* partial_lse, void* stream) {
   if (!plan || num_pages < 1 || table_stride < plan->max_pages || plan->num_splits < 1 ||
-      plan->num_splits > kd::MAX_SPLITS)
+      plan->num_splits > kd::MAX_SPLITS || plan->combine < kd::COMBINE_PLAIN ||
+      plan->combine > kd::COMBINE_DEPENDENT_SPREAD)
     return KD_ERR_ARGUMENT;
   if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
@@ -148,8 +168,6 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
 #endif
     rc = kd::launch_verify_mma(p, plan->rows_per_cta, plan->B, st);
   if (rc) return rc;
-  // The combine runs as a programmatic dependent after the mma.sync kernel on Hopper only:
-  // faster there, mixed after the wgmma kernel, unmeasured on sm_120 (notes, v9).
   if (plan->num_splits == 1 || merged) return 0;
-  return kd::launch_verify_combine(p, plan->B, st, plan->kernel == 0 && d->major == 9);
+  return kd::launch_verify_combine(p, plan->B, st, plan->combine, *d);
 }

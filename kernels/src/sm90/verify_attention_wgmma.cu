@@ -104,14 +104,13 @@ int verify_wgmma_copy_path(int page_size, int path) {
   return page_size % 64 == 0 ? COPY_TMA : COPY_RUNS;
 }
 
-bool verify_wgmma_merges(int B, int R, int copy, int num_splits, int path) {
+bool verify_wgmma_merges(int device, int B, int R, int copy, int num_splits, int path) {
   if (path == KD_VERIFY_WGMMA_COMBINE || num_splits < 2 || num_splits > WGMMA_MERGE_MAX_SPLITS ||
       copy == COPY_CP_ASYNC)
     return false;
   const int64_t row_tiles = (int64_t)B * ceil_div(R, WGMMA_ROWS);
-  int dev = 0;
-  if (row_tiles < WGMMA_MERGE_MIN_ROW_TILES || cudaGetDevice(&dev) != cudaSuccess) return false;
-  return row_tiles <= merge_clusters(dev, copy, num_splits);
+  if (row_tiles < WGMMA_MERGE_MIN_ROW_TILES) return false;
+  return row_tiles <= merge_clusters(device, copy, num_splits);
 }
 
 // The plan's copy path, unless the cache is too large for a tensor map (2^31 rows and more)
