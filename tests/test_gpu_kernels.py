@@ -763,7 +763,7 @@ def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits)
     check_attention(ops, case, num_splits=num_splits, bits=bits, kernel=verify_path)
 
 
-# Combines of at most one CTA an SM (here 2-128 on the H200) follow the wgmma kernel as
+# Combines of at most as many CTAs as SMs (here 2 to 128 CTAs) follow the wgmma kernel as
 # programmatic dependents held to one CTA an SM (verify_plan.cu, "combine"): both layouts.
 @pytest.mark.parametrize("D", [1, 3])
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
