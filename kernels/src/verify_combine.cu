@@ -160,7 +160,7 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
 
 // `how` (CombineLaunch): a dependent is launched as a programmatic dependent of the
 // attention kernel (its CTAs may be scheduled as that kernel drains, and wait in
-// pdl_wait()). SPREAD asks for more than half an SM's shared memory (unused), so one CTA
+// pdl_wait()). ONE_PER_SM asks for more than half an SM's shared memory (unused), so one CTA
 // fits an SM: CTAs scheduled early land on the SMs the attention kernel leaves free, and
 // more than one there would pile the combine's reads onto those few SMs.
 template <class... Params, class... Args>
@@ -175,7 +175,7 @@ int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, int how, const
   cfg.stream = st;
   cfg.attrs = attr;
   cfg.numAttrs = KD_PDL && how != COMBINE_PLAIN ? 1 : 0;
-  if (KD_PDL && how == COMBINE_DEPENDENT_SPREAD) {
+  if (KD_PDL && how == COMBINE_PROGRAMMATIC_ONE_PER_SM) {
     cfg.dynamicSmemBytes = (size_t)d.smem_sm / 2 + 1;
     const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)cfg.dynamicSmemBytes);

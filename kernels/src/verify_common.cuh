@@ -187,7 +187,11 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
 // plainly, as its programmatic dependent (the attention kernel triggers it), or as a
 // dependent held to one CTA an SM (the plan's rule, verify_plan.cu). combine_ctas: the
 // CTAs it launches.
-enum CombineLaunch { COMBINE_PLAIN = 0, COMBINE_DEPENDENT = 1, COMBINE_DEPENDENT_SPREAD = 2 };
+enum CombineLaunch {
+  COMBINE_PLAIN = 0,
+  COMBINE_PROGRAMMATIC = 1,
+  COMBINE_PROGRAMMATIC_ONE_PER_SM = 2,
+};
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d);
 long long combine_ctas(int B, int R, int num_splits);
 

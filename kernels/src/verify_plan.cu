@@ -41,7 +41,7 @@ bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
 // plain launch there.
 int combine_launch(const DeviceFacts& d, int kernel, int B, int R, int num_splits) {
   if (d.major != 9) return COMBINE_PLAIN;
-  if (kernel == 0) return COMBINE_DEPENDENT;
+  if (kernel == 0) return COMBINE_PROGRAMMATIC;
   return combine_ctas(B, R, num_splits) <= d.sms ? KD_WGMMA_COMBINE : COMBINE_PLAIN;
 }
 
@@ -129,7 +129,7 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
                              void* out, float* lse, void* partial_out, float* partial_lse, void* stream) {
   if (!plan || num_pages < 1 || table_stride < plan->max_pages || plan->num_splits < 1 ||
       plan->num_splits > kd::MAX_SPLITS || plan->combine < kd::COMBINE_PLAIN ||
-      plan->combine > kd::COMBINE_DEPENDENT_SPREAD)
+      plan->combine > kd::COMBINE_PROGRAMMATIC_ONE_PER_SM)
     return KD_ERR_ARGUMENT;
   if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };

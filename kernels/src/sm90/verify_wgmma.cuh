@@ -476,7 +476,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   reg_fence(o);
   if (tid == 0) VSTAMP(43, clock64());
   cp_async_wait<0>();
-  if constexpr (!MERGE) pdl_launch_dependents();  // the combine (if any) may be scheduled: it waits for our stores
+  // The combine (if any) may be scheduled now: it waits for our stores (pdl_wait).
+  if constexpr (!MERGE) pdl_launch_dependents();
 
   if (wg == 0 && t == 0) {
     sL[rbase + g] = l_run[0]; sL[rbase + g + 8] = l_run[1];
