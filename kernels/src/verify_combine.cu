@@ -184,18 +184,26 @@ int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, int how, const
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
+// The combine's grid: below ROW_SPLITS splits a warp per half row (WARPS a CTA), else a
+// CTA per quarter row.
+dim3 combine_grid(int B, int R, int num_splits) {
+  return num_splits < ROW_SPLITS ? dim3(ceil_div(2 * B * R, WARPS)) : dim3(4, R, B);
+}
+
 }  // namespace
 
 long long combine_ctas(int B, int R, int num_splits) {
-  return num_splits < ROW_SPLITS ? ((long long)2 * B * R + WARPS - 1) / WARPS : (long long)4 * B * R;
+  const dim3 g = combine_grid(B, R, num_splits);
+  return (long long)g.x * g.y * g.z;
 }
 
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
+  const dim3 grid = combine_grid(B, p.R, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? launch(combine_half_rows, dim3(ceil_div(2 * B * p.R, WARPS)), st, how, d, p.part_out,
-               p.part_lse, p.R, p.num_splits, 2 * B * p.R, p.out, p.lse)
-      : launch(combine_quarter_rows, dim3(4, p.R, B), st, how, d, p.part_out, p.part_lse, p.R,
-               p.num_splits, p.out, p.lse);
+      ? launch(combine_half_rows, grid, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
+               p.out, p.lse)
+      : launch(combine_quarter_rows, grid, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, p.out,
+               p.lse);
   if (rc) return rc;
   KD_LAUNCH_CHECK();
   return 0;
