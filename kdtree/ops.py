@@ -317,7 +317,7 @@ VERIFY_KERNELS = ("auto", "mma_sync", "wgmma_cp_async", "wgmma_combine")
 _KERNEL_NAMES = {0: "mma_sync", 1: "wgmma"}
 _COPY_NAMES = {0: "cp_async", 1: "tma", 3: "tma_runs"}
 _MERGE_NAMES = {0: "none", 1: "cluster", 2: "combine_kernel"}
-_COMBINE_NAMES = {0: "plain", 1: "programmatic", 2: "programmatic_one_per_sm"}
+_COMBINE_NAMES = {0: "plain", 1: "programmatic", 2: "programmatic_held"}
 
 
 class TreeVerifyResult(NamedTuple):

@@ -57,8 +57,10 @@ def main():
     for splits in (2, 3):  # clusters of 2 (a partial last row tile, P = 0); 3 combine
         ops.tree_verify(small.q, small.kv_cache, small.block_table, small.seq_lens, small.visibility,
                         0.130861, num_splits=splits)
-    tiny = paged_case([0, 900, 64, 3000], 1, 8, 64, seed=6, device="cuda")  # combines of <= 128 CTAs
-    for splits in (3, 40):  # Hopper: a programmatic dependent of the wgmma kernel, one CTA an SM
+    # Hopper: combines held as programmatic dependents of the wgmma kernel, 1 to 3 CTAs an
+    # SM (8 / 128 / 136 / 384 CTAs on 132 SMs).
+    for D, splits in ((1, 3), (1, 40), (17, 3), (3, 40)):
+        tiny = paged_case([0, 900, 64, 3000], D, 8, 64, seed=6, device="cuda")
         ops.tree_verify(tiny.q, tiny.kv_cache, tiny.block_table, tiny.seq_lens, tiny.visibility,
                         0.130861, num_splits=splits)
     wide = paged_case([0, 130], 16, 64, 128, seed=3, device="cuda")  # 16 row tiles

@@ -673,13 +673,15 @@ def test_hopper_dispatches_to_wgmma(ops):
     merge = lambda B, page=64, splits=2, kernel="auto": plan(ops, B, 16 * 8, page, kernel=kernel,
                                                              num_splits=splits).merge
     assert merge(16, splits=1) == "none"
-    # The combine follows as a programmatic dependent: after wgmma held to one CTA an SM
-    # where it launches at most SMs CTAs (a warp per half row: 2 B R / 8), else plainly.
+    # The combine follows as a programmatic dependent: after wgmma held to ceil(CTAs / SMs)
+    # an SM where it launches at most 4 CTAs an SM (a warp per half row: 2 B R / 8), else
+    # plainly.
     combine = lambda B, R, splits, kernel="auto": plan(ops, B, R, kernel=kernel, num_splits=splits).combine
-    assert combine(16, 8, 8) == "programmatic_one_per_sm"          # 32 CTAs
+    assert combine(16, 8, 8) == "programmatic_held"                # 32 CTAs
+    assert combine(4, 8, 40) == "programmatic_held"                # a CTA per quarter row: 128
     if sms >= 128:
-        assert combine(4, 8, 40) == "programmatic_one_per_sm"      # a CTA per quarter row: 128
-    assert combine(16, 16 * 8, 4) == "plain"                       # 512 CTAs
+        assert combine(16, 16 * 8, 4) == "programmatic_held"       # 512 CTAs
+    assert combine(16, 16 * 8 * 8, 3) == "plain"                   # 4,096 CTAs
     assert combine(1, 8, 40, kernel="mma_sync") == "programmatic"  # after mma.sync, always
     assert combine(16, 8, 1) is None and combine(8, 16 * 8, 2) is None  # one split; clusters
     assert merge(8) == "cluster"                  # 16 row tiles
@@ -763,9 +765,11 @@ def test_verify_attention_splits_and_bitmask(ops, verify_path, num_splits, bits)
     check_attention(ops, case, num_splits=num_splits, bits=bits, kernel=verify_path)
 
 
-# Combines of at most as many CTAs as SMs (here 2 to 128 CTAs) follow the wgmma kernel as
-# programmatic dependents held to one CTA an SM (verify_plan.cu, "combine"): both layouts.
-@pytest.mark.parametrize("D", [1, 3])
+# Combines of at most 4 CTAs an SM follow the wgmma kernel as programmatic dependents held
+# to ceil(CTAs / SMs) an SM (verify_plan.cu, "combine"), others plainly: on an H200's 132
+# SMs a warp per half row holds 8 CTAs at D 1, 136 at D 17 (2 an SM), 512 at D 64 (4); a CTA
+# per quarter row (32 splits on) 128 at D 1, 384 at D 3 (3 an SM), plain at D 17 and 64.
+@pytest.mark.parametrize("D", [1, 3, 17, 64])
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
 def test_verify_attention_small_combines(ops, verify_path, D, num_splits):
     case = paged_case([0, 90, 777, 1500], D, 8, 64, seed=num_splits + D, device=DEV)
@@ -943,7 +947,7 @@ def test_round_captures_in_one_cuda_graph(ops):
 def test_verify_attention_splits_replayed_in_cuda_graph(ops, verify_path, num_splits, prefixes, D):
     """Splits captured into a graph and replayed on fresh queries: merged in clusters (2 on
     Hopper's auto path: 18 row tiles) or by the combine kernel (both of its layouts; at D 1
-    a combine of at most one CTA an SM, a programmatic dependent after wgmma), which must
+    a combine of at most one CTA an SM, a held programmatic dependent after wgmma), which must
     still see finished partials."""
     case = paged_case(prefixes, D, 8, 64, seed=21, device=DEV)
     B, D, H, _ = case.q.shape

@@ -76,7 +76,7 @@ typedef struct kd_verify_plan {
   // pairs, is no longer made); merge 0 one split, 1 splits merged in thread-block clusters,
   // 2 bf16 partials merged by the combine kernel; combine (where a combine runs) 0 a plain
   // launch after the attention kernel, 1 its programmatic dependent, 2 a programmatic
-  // dependent held to one CTA an SM.
+  // dependent held to ceil(CTAs / SMs) CTAs an SM.
   int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch, combine;
 } kd_verify_plan;
 

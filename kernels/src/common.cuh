@@ -20,9 +20,9 @@ constexpr int64_t PAD_TOKEN = 0;
 
 // What launch paths read off the current device, once per device (so launches query no
 // attributes): its index, SMs, shared memory a block may opt in to and an SM holds, compute
-// capability.
+// capability, and the shared memory the system reserves a block.
 struct DeviceFacts {
-  int device, sms, smem_optin, smem_sm, major, minor, ready;
+  int device, sms, smem_optin, smem_sm, smem_reserved, major, minor, ready;
 };
 inline int device_facts(const DeviceFacts** out) {
   static DeviceFacts facts[64];
@@ -35,6 +35,7 @@ inline int device_facts(const DeviceFacts** out) {
     e = cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.major, cudaDevAttrComputeCapabilityMajor, dev);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&f.minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (e != cudaSuccess) return (int)e;

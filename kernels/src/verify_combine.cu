@@ -90,13 +90,14 @@ constexpr int QUARTER = V_DIM / 4;  // value columns of a CTA: 32 lanes x 4
 // Splits a lane loads before the weights are known: more loads in flight, but 8 costs
 // occupancy at 33 splits (A/B in docs/kernels/verify_attention.md).
 constexpr int PRE = 4;
+constexpr int QUARTER_SMEM = (MAX_SPLITS + WARPS) * 4 + WARPS * 32 * 16;  // its static shared memory
 
 __global__ void __launch_bounds__(32 * WARPS)
 combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
                      int num_splits, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
   __shared__ float s_w[MAX_SPLITS];
   __shared__ float s_red[WARPS];
-  __shared__ float4 s_acc[WARPS][32];
+  __shared__ float4 s_acc[WARPS][32];  // QUARTER_SMEM bytes in all
   const int quarter = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t base = (size_t)b * num_splits * R + row;  // + s * R
@@ -160,12 +161,12 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
 
 // `how` (CombineLaunch): a dependent is launched as a programmatic dependent of the
 // attention kernel (its CTAs may be scheduled as that kernel drains, and wait in
-// pdl_wait()). ONE_PER_SM asks for more than half an SM's shared memory (unused), so one CTA
-// fits an SM: CTAs scheduled early land on the SMs the attention kernel leaves free, and
-// more than one there would pile the combine's reads onto those few SMs.
+// pdl_wait()). HELD asks for enough shared memory (unused) that at most ceil(CTAs / SMs)
+// CTAs fit an SM: CTAs scheduled early land on the SMs the attention kernel leaves free, and
+// more there would pile the combine's reads onto those few SMs.
 template <class... Params, class... Args>
-int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, int how, const DeviceFacts& d,
-           Args... args) {
+int launch(void (*kernel)(Params...), dim3 grid, int static_smem, cudaStream_t st, int how,
+           const DeviceFacts& d, Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -175,10 +176,18 @@ int launch(void (*kernel)(Params...), dim3 grid, cudaStream_t st, int how, const
   cfg.stream = st;
   cfg.attrs = attr;
   cfg.numAttrs = KD_PDL && how != COMBINE_PLAIN ? 1 : 0;
-  if (KD_PDL && how == COMBINE_PROGRAMMATIC_ONE_PER_SM) {
-    cfg.dynamicSmemBytes = (size_t)d.smem_sm / 2 + 1;
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)cfg.dynamicSmemBytes);
+  if (KD_PDL && how == COMBINE_PROGRAMMATIC_HELD) {
+    const long long ctas = (long long)grid.x * grid.y * grid.z;
+    const int held = (int)((ctas + d.sms - 1) / d.sms);
+    // A CTA's footprint just over 1 / (held + 1) of the SM's shared memory: held fit, one
+    // more does not. The carveout at its maximum, so the SM offers all of smem_sm.
+    const int footprint = d.smem_sm / (held + 1) + 1;
+    cfg.dynamicSmemBytes = (size_t)max(0, footprint - static_smem - d.smem_reserved);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)cfg.dynamicSmemBytes);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return (int)e;
   }
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
@@ -200,9 +209,9 @@ long long combine_ctas(int B, int R, int num_splits) {
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
   const dim3 grid = combine_grid(B, p.R, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? launch(combine_half_rows, grid, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
+      ? launch(combine_half_rows, grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
                p.out, p.lse)
-      : launch(combine_quarter_rows, grid, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, p.out,
+      : launch(combine_quarter_rows, grid, QUARTER_SMEM, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, p.out,
                p.lse);
   if (rc) return rc;
   KD_LAUNCH_CHECK();

@@ -185,12 +185,12 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
 
 // The combine of a split launch (verify_combine.cu), launched after the attention kernel:
 // plainly, as its programmatic dependent (the attention kernel triggers it), or as a
-// dependent held to one CTA an SM (the plan's rule, verify_plan.cu). combine_ctas: the
-// CTAs it launches.
+// dependent held to ceil(CTAs / SMs) CTAs an SM (the plan's rule, verify_plan.cu).
+// combine_ctas: the CTAs it launches.
 enum CombineLaunch {
   COMBINE_PLAIN = 0,
   COMBINE_PROGRAMMATIC = 1,
-  COMBINE_PROGRAMMATIC_ONE_PER_SM = 2,
+  COMBINE_PROGRAMMATIC_HELD = 2,
 };
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d);
 long long combine_ctas(int B, int R, int num_splits);

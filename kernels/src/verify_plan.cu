@@ -19,13 +19,14 @@
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 // | combine | on 9.x a programmatic dependent: after mma.sync always; after wgmma where  |
-// |         | it launches at most SMs CTAs, held to one CTA an SM; else a plain launch   |
+// |         | it launches at most 4 CTAs an SM, held to ceil(CTAs / SMs) an SM; else a   |
+// |         | plain launch                                                              |
 //
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
 #include "verify_common.cuh"
 
 // How the combine follows the wgmma kernel where the table's rule holds (A/B builds: 0
-// plain, 1 a dependent without the one-CTA-an-SM hold, 2 as planned).
+// plain, 1 a dependent without the hold, 2 as planned).
 #ifndef KD_WGMMA_COMBINE
 #define KD_WGMMA_COMBINE 2
 #endif
@@ -37,12 +38,14 @@ bool small_launch(const DeviceFacts& d, int B, long long max_seq) {
   return 2LL * B * ((max_seq + 63) / 64) < d.sms;
 }
 
-// How a combine follows the attention kernel (CombineLaunch). Not measured on sm_120, so a
-// plain launch there.
+// How a combine follows the attention kernel (CombineLaunch). After wgmma it is held where
+// it launches at most HELD_MAX CTAs an SM: the measured range (the half-row layout's
+// registers allow no more than 4 an SM anyway). Not measured on sm_120: a plain launch there.
+constexpr int HELD_MAX = 4;
 int combine_launch(const DeviceFacts& d, int kernel, int B, int R, int num_splits) {
   if (d.major != 9) return COMBINE_PLAIN;
   if (kernel == 0) return COMBINE_PROGRAMMATIC;
-  return combine_ctas(B, R, num_splits) <= d.sms ? KD_WGMMA_COMBINE : COMBINE_PLAIN;
+  return combine_ctas(B, R, num_splits) <= (long long)HELD_MAX * d.sms ? KD_WGMMA_COMBINE : COMBINE_PLAIN;
 }
 
 bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
@@ -129,7 +132,7 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
                              void* out, float* lse, void* partial_out, float* partial_lse, void* stream) {
   if (!plan || num_pages < 1 || table_stride < plan->max_pages || plan->num_splits < 1 ||
       plan->num_splits > kd::MAX_SPLITS || plan->combine < kd::COMBINE_PLAIN ||
-      plan->combine > kd::COMBINE_PROGRAMMATIC_ONE_PER_SM)
+      plan->combine > kd::COMBINE_PROGRAMMATIC_HELD)
     return KD_ERR_ARGUMENT;
   if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
