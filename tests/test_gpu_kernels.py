@@ -776,6 +776,39 @@ def test_verify_attention_small_combines(ops, verify_path, D, num_splits):
     check_attention(ops, case, num_splits=num_splits, kernel=verify_path)
 
 
+def test_verify_held_combines_on_concurrent_streams(ops):
+    """Two threads, each on its own stream, launch combines held to different counts an SM
+    (8 and 512 CTAs: 1 and 4 an SM on an H200) over and over: every result matches the
+    same launch run alone, bit for bit, and no launch fails (the held launches share one
+    shared-memory attribute, verify_combine.cu)."""
+    import threading
+    cases = [paged_case([0, 900, 64, 3000], D, 8, 64, seed=30 + D, device=DEV) for D in (1, 64)]
+    run = lambda c: ops.tree_verify(c.q, c.kv_cache, c.block_table, c.seq_lens, c.visibility, SCALE,
+                                    num_splits=3)
+    alone = [run(c) for c in cases]
+    torch.cuda.synchronize()
+    failures = []
+
+    def worker(i):
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                for _ in range(40):
+                    got = run(cases[i])
+                    torch.cuda.current_stream().synchronize()
+                    if not (torch.equal(got.out, alone[i].out) and torch.equal(got.lse, alone[i].lse)):
+                        failures.append((i, "differs"))
+                        return
+        except Exception as e:  # a failed launch raises in the thread: report it here
+            failures.append((i, repr(e)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+
+
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])
 def test_verify_split_partials_cost_at_most_one_rounding(ops, verify_path, num_splits):
     """Split launches merge bf16 partials (verify_common.cuh, write_rows, says why): on

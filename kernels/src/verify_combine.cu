@@ -180,11 +180,13 @@ int launch(void (*kernel)(Params...), dim3 grid, int static_smem, cudaStream_t s
     const long long ctas = (long long)grid.x * grid.y * grid.z;
     const int held = (int)((ctas + d.sms - 1) / d.sms);
     // A CTA's footprint just over 1 / (held + 1) of the SM's shared memory: held fit, one
-    // more does not. The carveout at its maximum, so the SM offers all of smem_sm.
+    // more does not. The carveout at its maximum, so the SM offers all of smem_sm. The
+    // attribute is the bound for every held count (held 1's footprint), one value for all
+    // launches, so that concurrent launches of other counts cannot lower it under this one.
     const int footprint = d.smem_sm / (held + 1) + 1;
     cfg.dynamicSmemBytes = (size_t)max(0, footprint - static_smem - d.smem_reserved);
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)cfg.dynamicSmemBytes);
+                                         d.smem_sm / 2 + 1);
     if (e == cudaSuccess)
       e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                (int)cudaSharedmemCarveoutMaxShared);
