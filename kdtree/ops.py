@@ -337,7 +337,8 @@ class TreeVerifyResult(NamedTuple):
 class TreeVerifyPlan:
     """Tree-verify attention planned once for a shape, then run many times (FlashInfer's
     plan/run): the kernel, key copy, splits and split merge (and, where the combine kernel
-    merges, how it follows the attention kernel: ``combine``) are chosen by the library's
+    merges, how it follows the attention kernel: ``combine``, one of ``plain``,
+    ``programmatic`` or ``programmatic_held``) are chosen by the library's
     one heuristics table (kernels/src/verify_plan.cu) when the plan is made, on the current
     (or given) CUDA device, and the split workspace is allocated then.
 
