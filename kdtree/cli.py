@@ -22,6 +22,8 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
                      "gpu_mem_cap_gb": 8.0},
     "op_latency": {"batches": [1, 16], "budget": 64, "heads": 8, "prefix": 8192, "L": 15, "scale": 0.130861,
                    "reps": 50, "gpu_mem_cap_gb": 8.0},
+    "verify_sustained": {"shapes": ["16:8:64:8192"], "warmup_s": 3.0, "seconds": 3.0, "idle_s": 2.0, "sample_ms": 100,
+                         "scale": 0.130861, "seed": 0, "gpu_replays": 10, "graph_inner": 3, "gpu_mem_cap_gb": 8.0},
 }
 
 

@@ -269,9 +269,49 @@ def test_report_shows_the_one_graph_round(tmp_path):
     assert "One round in one CUDA graph" in text and "353" in text   # the sum of the parts
 
 
+def test_power_samples_parse_and_summarize():
+    from kdtree.harness.power import parse_sample, summarize_samples
+
+    lines = ["691.43, 700.00, 1740, 57, 0x0000000000000004", "702.5, 700.00, 1470, 58, 0x0000000000000004",
+             "80.0, 700.00, 1980, 40, 0x0000000000000000", "[N/A], 700.00, 1980, 40, 0x0", "garbage"]
+    samples = [s for s in map(parse_sample, lines) if s is not None]
+    assert len(samples) == 3   # the [N/A] line and the garbage are dropped, not zeros
+    got = summarize_samples(samples)
+    assert got["power_w"] == 691.43 and got["sm_mhz"] == 1740 and got["sm_mhz_min"] == 1470
+    assert got["power_capped"] == pytest.approx(2 / 3) and got["slowed"] == pytest.approx(2 / 3)
+    assert got["power_samples"] == 3 and got["temp_c"] == 57
+    thermal = summarize_samples([parse_sample("500, 700, 1600, 90, 0x40")])
+    assert thermal["power_capped"] == 0 and thermal["slowed"] == 1
+    empty = summarize_samples([])
+    assert empty["power_samples"] == 0 and empty["power_w"] != empty["power_w"]   # NaN, not 0 W
+
+
+def test_sustained_shapes_checked_by_the_schema():
+    from kdtree.harness.config import check_section
+    from kdtree.harness.sweeps.verify_sustained import parse_shape
+
+    assert parse_shape("16:8:64:32768") == {"batch": 16, "heads": 8, "D": 64, "prefix": 32768}
+    cfg = dict(shapes=["16:8:64"], warmup_s=1, seconds=1, idle_s=0, sample_ms=100, scale=0.1, seed=0,
+               gpu_replays=5, graph_inner=3)
+    with pytest.raises(ValueError, match=r"shapes\[0\].*16:8:64"):
+        check_section("sweep_verify_sustained", cfg)
+    check_section("sweep_verify_sustained", dict(cfg, shapes=["16:8:64:8192"]))
+
+
+def test_report_shows_the_sustained_table(tmp_path):
+    rows = [dict(batch=16, heads=8, D=64, prefix=32768, impl=impl, burst_us=b, median_us=m, power_w=691.0,
+                 sm_mhz=1700.0, temp_c=57.0, power_capped=1.0, status="ok")
+            for impl, b, m in (("kdtree_kernel", 858.0, 979.0), ("flashmla", 875.0, 941.0))]
+    pd.DataFrame(rows).to_parquet(tmp_path / "verify_sustained.parquet")
+    cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "r.md")])
+    text = (tmp_path / "r.md").read_text()
+    assert "Verify attention under sustained load" in text
+    assert "1.14" in text and "0.961" in text   # kdtree's sustained / burst; its speed over FlashMLA's
+
+
 @pytest.mark.skipif(kgpu.cuda_available(), reason="checks the message given without a CUDA device")
 def test_gpu_only_sweeps_say_so_without_a_device(tmp_path):
-    for which in ("verify-attn", "round"):
+    for which in ("verify-attn", "round", "verify-sustained"):
         with pytest.raises(SystemExit, match=f"sweep {which}: needs a CUDA device"):
             cli(["sweep", which, "--out", str(tmp_path / "x.parquet")])
 

@@ -92,6 +92,9 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         parts += ["## Caller latency (one call + synchronize, median us)", "",
                   "Each op through the Python API and as a registered torch op; `empty_torch_op` is an empty "
                   "torch op in the same run.", "", _md(piv.reset_index()), ""]
+    d = read_ok_rows(rd / "verify_sustained.parquet")
+    if d is not None:
+        parts += sustained_section(d)
     bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
         notes = [n for n in str(bt["notes"].iloc[0]).split("; ") if n]
@@ -134,3 +137,23 @@ def flashmla_section(d: pd.DataFrame) -> list[str]:
             "FlashMLA's dense bf16 decode (`use_legacy=True`) takes a causal chain mask, kdtree a random tree "
             "mask; both read the same paged cache (page size 64). Above 1: kdtree is faster.", "",
             _md(t.sort_values(VERIFY_KEYS)), ""]
+
+
+def sustained_section(d: pd.DataFrame) -> list[str]:
+    """Verify attention with the GPU kept busy, against a burst of replays, per kernel; and
+    kdtree's speed over FlashMLA's under each."""
+    keys = ["batch", "heads", "D", "prefix"]
+    t = d[keys + ["impl", "burst_us", "median_us", "power_w", "sm_mhz", "temp_c", "power_capped"]].rename(
+        columns={"median_us": "sustained_us", "power_capped": "power-capped share"})
+    t.insert(t.columns.get_loc("sustained_us") + 1, "sustained / burst", t["sustained_us"] / t["burst_us"])
+    parts = ["## Verify attention under sustained load", "",
+             "`burst_us`: graph replays after an idle pause, as the verify sweep times them; `sustained_us`: "
+             "replays back to back once the board has settled; power (W), SM clock (MHz) and temperature are "
+             "medians of nvidia-smi samples over the sustained window, the power-capped share the samples the "
+             "driver held at the board's power limit.", "", _md(t.sort_values(keys + ["impl"])), ""]
+    kd, fm = (d[d.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
+    if not kd.empty and not fm.empty:
+        r = pd.DataFrame({"burst": fm["burst_us"] / kd["burst_us"],
+                          "sustained": fm["median_us"] / kd["median_us"]}).dropna()
+        parts += ["kdtree's speed over FlashMLA's (above 1: kdtree is faster):", "", _md(r.reset_index()), ""]
+    return parts

@@ -60,6 +60,43 @@ def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
     return summarize(samples)
 
 
+def time_graph_sustained(fn, inner: int, warmup_s: float, seconds: float, during=None) -> dict:
+    """Device time per call with the GPU kept busy: fn captured `inner` times into one CUDA
+    graph, replayed back to back for `warmup_s` (the board settles at its power limit), then
+    for `seconds` with each replay timed by events, inside the context `during` (a
+    PowerSampler) if given. Replays shorter than the host's enqueue time leave gaps."""
+    import contextlib
+
+    g, _ = capture_graph(fn, inner=inner)
+    _back_to_back(g.replay, warmup_s, timed=False)
+    with during if during is not None else contextlib.nullcontext():
+        samples = _back_to_back(g.replay, seconds, timed=True)
+    del g
+    return summarize([t / inner for t in samples])
+
+
+def _back_to_back(call, seconds: float, timed: bool, ahead: int = 8) -> list[float]:
+    """`call` enqueued again and again for `seconds` of wall time, at most `ahead` calls queued
+    past the one the host waits on; the device seconds of each call where `timed`."""
+    import torch
+
+    pairs, t0 = [], time.perf_counter()
+    while True:
+        start, end = torch.cuda.Event(enable_timing=timed), torch.cuda.Event(enable_timing=timed)
+        start.record()
+        call()
+        end.record()
+        pairs.append((start, end))
+        if len(pairs) > ahead:
+            pairs[-ahead - 1][1].synchronize()
+            if not timed:
+                del pairs[:-ahead]
+        if time.perf_counter() - t0 >= seconds:
+            break
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) / 1e3 for s, e in pairs] if timed else []
+
+
 def time_events(fn, reps: int = 20, warmup: int = 3) -> dict:
     """Device time per eager call with CUDA events (for ops that cannot be captured)."""
     import torch

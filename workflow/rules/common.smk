@@ -31,7 +31,7 @@ def _have_nvcc():
 
 RD = config["results_dir"].rstrip("/")
 # Unsharded GPU sweeps (all run by sweep_gpu): their Parquet is RD/<name>.parquet.
-GPU_SWEEPS = ["round", "worker_round", "op_latency"]
+GPU_SWEEPS = ["round", "worker_round", "op_latency", "verify_sustained"]
 LIB = f"{config['build']['build_dir'].rstrip('/')}/libkdtree.so"
 GPU, NO_GPU_WHY = _use_gpu()
 NVCC = _have_nvcc()
@@ -95,7 +95,8 @@ def sweep_code(name):
     """What a sweep's numbers depend on besides the kernels: its module and the library."""
     return [f"kdtree/harness/sweeps/{name}.py", "kdtree/harness/sweeps/runner.py", "kdtree/harness/timing.py",
             "kdtree/harness/workloads.py", "kdtree/ops.py", "kdtree/reference/tree.py"] + (["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"]
-                                           if name == "worker_round" else [])
+                                           if name == "worker_round" else []) + (
+        ["kdtree/harness/power.py", "kdtree/harness/sweeps/verify_attn.py"] if name == "verify_sustained" else [])
 
 
 def parquet_targets():

@@ -20,6 +20,7 @@ SWEEPS = {
     "round": Sweep("round", "sweep_round", True),
     "worker-round": Sweep("worker_round", "sweep_worker_round", True),
     "op-latency": Sweep("op_latency", "sweep_op_latency", True),
+    "verify-sustained": Sweep("verify_sustained", "sweep_verify_sustained", True),
 }
 
 

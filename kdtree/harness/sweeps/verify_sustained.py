@@ -1,0 +1,85 @@
+"""Verify attention under sustained load, beside FlashMLA. The verify sweep times short
+bursts of graph replays; a decode loop keeps the GPU busy, and an H200 held at load runs at
+its board power limit with a lower SM clock (kdtree.harness.power). Per shape and kernel, on
+the same inputs (page size 64, cache copies rotated past the L2): the burst time after an
+idle pause, the time a call once the board has settled, and the board's power and SM clock
+while that is timed."""
+from __future__ import annotations
+
+import math
+import time
+
+from ...reference.attention import LATENT_DIM, QK_DIM
+from ..gpu import ensure_fits
+from ..power import PowerSampler
+from ..timing import time_graph, time_graph_sustained
+from .runner import run_sweep
+from .verify_attn import (FLASHMLA_PAGE, cache_copies, cache_set, flashmla_module, floor_us, gpu_case, replay_inner,
+                          rotation)
+
+
+def parse_shape(text: str) -> dict:
+    """'B:H:D:P' -> a point (the config schema checks the form)."""
+    B, H, D, P = (int(x) for x in text.split(":"))
+    return {"batch": B, "heads": H, "D": D, "prefix": P}
+
+
+def measure_point(p: dict, cfg: dict) -> list[dict]:
+    import torch
+
+    from ... import ops
+
+    B, H, D, P = p["batch"], p["heads"], p["D"], p["prefix"]
+    page = FLASHMLA_PAGE
+    cache_bytes = B * (math.ceil((P + D) / page) + 1) * page * QK_DIM * 2
+    ensure_fits(cache_bytes + B * D * H * (QK_DIM + LATENT_DIM) * 4, cfg["gpu_mem_cap_gb"])
+    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, "runs")
+    copies = cache_copies(cache)
+    ensure_fits(copies * cache_bytes, cfg["gpu_mem_cap_gb"])
+    caches = cache_set(cache, copies)
+    inner = replay_inner(copies, cfg["graph_inner"])
+    scale = cfg["scale"]
+    out = ops.tree_verify(q, cache, table, seq, vis, scale)
+
+    def kdtree_calls():  # each timing rotates through the copies from the first
+        next_cache = rotation(caches)
+        return lambda: ops.tree_verify(q, next_cache(), table, seq, vis, scale, out=out)
+
+    makers = {"kdtree_kernel": kdtree_calls}
+    base = dict(p, page_size=page, floor_us=floor_us(B, D, H, P), cache_copies=copies, graph_inner=inner,
+                warmup_s=cfg["warmup_s"], seconds=cfg["seconds"])
+    rows = []
+    fm = flashmla_module() if cfg.get("compare_flashmla", True) else None
+    if cfg.get("compare_flashmla", True) and fm is None:
+        rows.append(dict(base, impl="flashmla", status="not_available",
+                         reason="flash_mla not importable (sgl-flash-mla not installed)"))
+    if fm is not None:
+        meta = fm.get_mla_metadata()[0]
+        k_caches = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
+
+        def flashmla(kc):
+            return fm.flash_mla_with_kvcache(q, kc, table, seq, LATENT_DIM, meta, softmax_scale=scale, causal=True,
+                                             use_legacy=True)
+
+        def flashmla_calls():
+            next_k = rotation(k_caches)
+            return lambda: flashmla(next_k())
+
+        flashmla(k_caches[0])  # fills the scheduler metadata, outside any graph
+        torch.cuda.synchronize()
+        makers["flashmla"] = flashmla_calls
+    for impl, make in makers.items():
+        time.sleep(cfg["idle_s"])  # the board's clock recovers before the burst
+        burst = time_graph(make(), replays=cfg["gpu_replays"], inner=inner)
+        sampler = PowerSampler(cfg["sample_ms"])
+        t = time_graph_sustained(make(), inner, cfg["warmup_s"], cfg["seconds"], during=sampler)
+        rows.append(dict(base, impl=impl, burst_us=burst["median_us"], **t, **sampler.summary(),
+                         roofline_fraction=base["floor_us"] / t["median_us"]))
+    del q, cache, caches, table, seq, vis, out
+    torch.cuda.empty_cache()
+    return rows
+
+
+def run(cfg: dict, out_path, library=None):
+    points = [parse_shape(s) for s in cfg["shapes"]]
+    return run_sweep("verify_sustained", points, lambda p: measure_point(p, cfg), out_path, cfg, library)
