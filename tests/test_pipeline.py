@@ -307,6 +307,8 @@ def test_report_shows_the_sustained_table(tmp_path):
     text = (tmp_path / "r.md").read_text()
     assert "Verify attention under sustained load" in text
     assert "1.14" in text and "0.961" in text   # kdtree's sustained / burst; its speed over FlashMLA's
+    from kdtree.harness.summary import summary
+    assert "kdtree at 0.96-0.96x FlashMLA's speed, against 1.02-1.02x in short bursts" in summary(tmp_path)
 
 
 @pytest.mark.skipif(kgpu.cuda_available(), reason="checks the message given without a CUDA device")
