@@ -28,7 +28,7 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
 
 
 # The figures `figures` and `report --figures` render (kdtree.harness.figures.render_all).
-FIGURES = ["tree_build", "verify_attn", "tree_accept", "worker_round", "step_breakdown"]
+FIGURES = ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained", "step_breakdown"]
 
 
 def _cfg(args, section: str) -> dict:

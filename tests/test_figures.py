@@ -45,7 +45,7 @@ def check_readable(fig):
         assert not [l for l in labels if l in RAW_NAMES], labels
 
 
-@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round"])
+@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained"])
 def test_reference_figures_are_readable(captured, name):
     getattr(figures, name)(pd.read_parquet(REF / f"{name}.parquet"), "unused.png")
     check_readable(captured[-1])

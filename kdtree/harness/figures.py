@@ -211,6 +211,46 @@ def worker_round(df: pd.DataFrame, path):
     _save(g.figure, path)
 
 
+SUSTAINED_IMPLS = {"kdtree_kernel": "kdtree", "flashmla": "FlashMLA (chain mask)"}
+
+
+def verify_sustained(df: pd.DataFrame, path):
+    """Verify attention with the GPU kept busy against a burst, per shape: how much longer a
+    call takes, kdtree's speed over FlashMLA's under each, and the SM clock the board held."""
+    d = ok_rows(df)
+    if d.empty:
+        return _placeholder(path, "Verify attention under sustained load", "no measured rows")
+    d = d.assign(shape=lambda x: "B" + x.batch.astype(str) + " H" + x.heads.astype(str) + " D" + x.D.astype(str)
+                 + " P" + (x.prefix // 1024).astype(str) + "k",
+                 implementation=d.impl.map(SUSTAINED_IMPLS).fillna(d.impl),
+                 slowdown=d.median_us / d.burst_us)
+    order = list(d.sort_values(["batch", "heads", "D", "prefix"])["shape"].unique())
+    peer = {"kdtree_kernel", "flashmla"} <= set(d.impl)
+    fig, axes = plt.subplots(1, 2 + peer, figsize=(5.2 * (2 + peer), 4.4))
+    sns.barplot(d, x="shape", y="slowdown", hue="implementation", order=order, ax=axes[0], errorbar=None)
+    axes[0].axhline(1.0, color="grey", ls=":", lw=1)
+    axes[0].set(xlabel="", ylabel="sustained time / burst time", title="A call with the GPU kept busy")
+    sns.barplot(d, x="shape", y="sm_mhz", hue="implementation", order=order, ax=axes[1], errorbar=None)
+    axes[1].set(xlabel="", ylabel="SM clock (MHz, median)", title="SM clock held meanwhile")
+    if peer:
+        keys = ["shape", "batch", "heads", "D", "prefix"]
+        kd, fm = (d[d.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
+        r = pd.concat([(fm.burst_us / kd.burst_us).rename("speed").reset_index().assign(timing="burst"),
+                       (fm.median_us / kd.median_us).rename("speed").reset_index().assign(timing="sustained")])
+        sns.barplot(r.dropna(), x="shape", y="speed", hue="timing", order=order, ax=axes[2], errorbar=None,
+                    palette=["#9ecae1", "#08519c"])
+        axes[2].axhline(1.0, color="grey", ls=":", lw=1)
+        axes[2].set(xlabel="", ylabel="FlashMLA time / kdtree time", title="Against FlashMLA (above 1: kdtree faster)")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45)
+        for t in ax.get_xticklabels():
+            t.set_horizontalalignment("right")
+        _legend_outside(ax)
+    fig.suptitle(f"Verify attention under sustained load ({_gpu_label(df)})")
+    fig.tight_layout()
+    _save(fig, path)
+
+
 def render_all(results_dir, fig_dir=None, kernel_times_dir=None, only=None) -> list[str]:
     """Render every figure the Parquet files in results_dir support (or those named in
     `only`: a rule writes exactly what it declares); returns what it skipped."""
@@ -218,7 +258,7 @@ def render_all(results_dir, fig_dir=None, kernel_times_dir=None, only=None) -> l
     fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
     skipped = []
     for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept),
-                     ("worker_round", worker_round)):
+                     ("worker_round", worker_round), ("verify_sustained", verify_sustained)):
         if only is not None and name not in only:
             continue
         p = results_dir / f"{name}.parquet"

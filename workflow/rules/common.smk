@@ -111,7 +111,7 @@ def parquet_targets():
 
 def cached_figure_names():
     """Figures `snakemake figures` re-renders: those the Parquet already in RD supports."""
-    names = [n for n in ("tree_build", "verify_attn", "tree_accept", "worker_round")
+    names = [n for n in ("tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained")
              if os.path.exists(f"{RD}/{n}.parquet")]
     if os.path.exists(f"{RD}/probe.parquet"):
         names.append("step_breakdown")
@@ -125,7 +125,7 @@ def figure_flags(names):
 def figure_names():
     names = ["tree_build", "tree_accept"]
     if GPU:
-        names += ["verify_attn", "worker_round"]
+        names += ["verify_attn", "worker_round", "verify_sustained"]
     if PROBE:
         names.append("step_breakdown")
     return names
