@@ -91,12 +91,17 @@ wildcard_constraints:
     heads=r"\d+",
 
 
+# Code a sweep's numbers depend on beyond what every sweep shares (sweep_code).
+SWEEP_EXTRA_CODE = {
+    "worker_round": ["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"],
+    "verify_sustained": ["kdtree/harness/power.py", "kdtree/harness/sweeps/verify_attn.py"],
+}
+
+
 def sweep_code(name):
     """What a sweep's numbers depend on besides the kernels: its module and the library."""
     return [f"kdtree/harness/sweeps/{name}.py", "kdtree/harness/sweeps/runner.py", "kdtree/harness/timing.py",
-            "kdtree/harness/workloads.py", "kdtree/ops.py", "kdtree/reference/tree.py"] + (["kdtree/sglang/__init__.py", "kdtree/sglang/reference.py"]
-                                           if name == "worker_round" else []) + (
-        ["kdtree/harness/power.py", "kdtree/harness/sweeps/verify_attn.py"] if name == "verify_sustained" else [])
+            "kdtree/harness/workloads.py", "kdtree/ops.py", "kdtree/reference/tree.py"] + SWEEP_EXTRA_CODE.get(name, [])
 
 
 def parquet_targets():
