@@ -308,7 +308,14 @@ def test_report_shows_the_sustained_table(tmp_path):
     assert "Verify attention under sustained load" in text
     assert "1.14" in text and "0.961" in text   # kdtree's sustained / burst; its speed over FlashMLA's
     from kdtree.harness.summary import summary
-    assert "kdtree at 0.96-0.96x FlashMLA's speed, against 1.02-1.02x in short bursts" in summary(tmp_path)
+    assert ("(1 shapes, 1 of them held at the board's power limit): kdtree at 0.96-0.96x FlashMLA's speed, "
+            "against 1.02-1.02x in short bursts") in summary(tmp_path)
+    unsampled = pd.DataFrame(rows).assign(power_capped=float("nan"), sm_mhz=float("nan"))
+    unsampled.to_parquet(tmp_path / "verify_sustained.parquet")
+    assert "(1 shapes, board power not sampled)" in summary(tmp_path)
+    from kdtree.harness import figures
+    figures.verify_sustained(unsampled, tmp_path / "unsampled.png")   # the clock panel says why it is empty
+    assert (tmp_path / "unsampled.png").stat().st_size > 0
 
 
 @pytest.mark.skipif(kgpu.cuda_available(), reason="checks the message given without a CUDA device")

@@ -230,8 +230,12 @@ def verify_sustained(df: pd.DataFrame, path):
     sns.barplot(d, x="shape", y="slowdown", hue="implementation", order=order, ax=axes[0], errorbar=None)
     axes[0].axhline(1.0, color="grey", ls=":", lw=1)
     axes[0].set(xlabel="", ylabel="sustained time / burst time", title="A call with the GPU kept busy")
-    sns.barplot(d, x="shape", y="sm_mhz", hue="implementation", order=order, ax=axes[1], errorbar=None)
-    axes[1].set(xlabel="", ylabel="SM clock (MHz, median)", title="SM clock held meanwhile")
+    if d.sm_mhz.notna().any():
+        sns.barplot(d, x="shape", y="sm_mhz", hue="implementation", order=order, ax=axes[1], errorbar=None)
+        axes[1].set(xlabel="", ylabel="SM clock (MHz, median)", title="SM clock held meanwhile")
+    else:  # nvidia-smi could not sample this board: say so rather than leave the panel empty
+        axes[1].axis("off")
+        axes[1].text(0.5, 0.5, "SM clock not sampled\n(nvidia-smi unavailable)", ha="center", va="center")
     if peer:
         keys = ["shape", "batch", "heads", "D", "prefix"]
         kd, fm = (d[d.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))

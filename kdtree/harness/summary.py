@@ -64,8 +64,10 @@ def summary(results_dir) -> str:
         keys = ["batch", "heads", "D", "prefix"]
         kd, fm = (s[s.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
         held, burst = (fm.median_us / kd.median_us).dropna(), (fm.burst_us / kd.burst_us).dropna()
-        capped = int((kd.power_capped >= 0.5).sum())
-        lines += [f"With the GPU kept busy ({len(held)} shapes, {capped} of them held at the board's power limit): "
+        sampled = kd.power_capped.notna()
+        capped = (f"{int((kd.power_capped[sampled] >= 0.5).sum())} of them held at the board's power limit"
+                  if sampled.any() else "board power not sampled")
+        lines += [f"With the GPU kept busy ({len(held)} shapes, {capped}): "
                   f"kdtree at {held.min():.2f}-{held.max():.2f}x FlashMLA's speed, against "
                   f"{burst.min():.2f}-{burst.max():.2f}x in short bursts of the same sweep.", ""]
     return "\n".join(lines).rstrip() + "\n"
