@@ -291,6 +291,8 @@ def test_sustained_shapes_checked_by_the_schema():
     from kdtree.harness.sweeps.verify_sustained import parse_shape
 
     assert parse_shape("16:8:64:32768") == {"batch": 16, "heads": 8, "D": 64, "prefix": 32768}
+    from kdtree.harness.sweeps.verify_sustained import points
+    assert [p["kdtree_first"] for p in points(["1:8:1:1024", "16:8:64:8192", "1:8:1:4096"])] == [True, False, True]
     cfg = dict(shapes=["16:8:64"], warmup_s=1, seconds=1, idle_s=0, sample_ms=100, scale=0.1, seed=0,
                gpu_replays=5, graph_inner=3)
     with pytest.raises(ValueError, match=r"shapes\[0\].*16:8:64"):
