@@ -300,6 +300,33 @@ def test_sustained_shapes_checked_by_the_schema():
     check_section("sweep_verify_sustained", dict(cfg, shapes=["16:8:64:8192"]))
 
 
+def test_flashmla_calls_rotate_the_copies_after_one_call_outside(monkeypatch):
+    """Both verify sweeps time FlashMLA through verify_attn.flashmla_calls: its metadata and
+    first call once, then each timing's calls read the cache copies in turn from the first."""
+    import torch
+    from kdtree.harness.sweeps.verify_attn import flashmla_calls
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    seen = []
+
+    class FakeFlashMLA:
+        def get_mla_metadata(self):
+            seen.append("meta")
+            return ("meta", None)
+
+        def flash_mla_with_kvcache(self, q, kc, table, seq, dv, meta, softmax_scale, causal, use_legacy):
+            assert kc.shape == (2, 64, 1, 576) and dv == 512 and meta == "meta" and causal and use_legacy
+            seen.append(int(kc[0, 0, 0, 0]))
+
+    caches = [torch.full((2, 64, 576), float(i)) for i in range(3)]
+    calls = flashmla_calls(FakeFlashMLA(), None, caches, None, None, 0.1)
+    assert seen == ["meta", 0]                     # the call outside any graph
+    first, second = calls(), calls()
+    for f in (first, first, first, first, second):
+        f()
+    assert seen[2:] == [0, 1, 2, 0, 0]             # in turn, and a new timing starts again
+
+
 def test_report_shows_the_sustained_table(tmp_path):
     rows = [dict(batch=16, heads=8, D=64, prefix=32768, impl=impl, burst_us=b, median_us=m, power_w=691.0,
                  sm_mhz=1700.0, temp_c=57.0, power_capped=1.0, status="ok")

@@ -73,30 +73,44 @@ def flashmla_module():
 
 
 FLASHMLA_PAGE = 64   # the page size FlashMLA's dense decode takes
+FLASHMLA_MISSING = "flash_mla not importable (sgl-flash-mla not installed)"
+
+
+def flashmla_calls(fm, q, caches, table, seq, scale):
+    """FlashMLA's dense decode on these inputs: a function giving a call that reads the cache
+    copies in turn, from the first, each time it is asked (one a timing). The first call,
+    which fills the scheduler metadata, is made here, outside any graph."""
+    import torch
+
+    meta = fm.get_mla_metadata()[0]
+    k_caches = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
+
+    def call(kc):
+        return fm.flash_mla_with_kvcache(q, kc, table, seq, LATENT_DIM, meta, softmax_scale=scale, causal=True,
+                                         use_legacy=True)
+
+    call(k_caches[0])
+    torch.cuda.synchronize()
+
+    def calls():
+        next_k = rotation(k_caches)
+        return lambda: call(next_k())
+    return calls
 
 
 def flashmla_row(base: dict, q, caches, table, seq, scale, cfg, inner) -> dict:
     """FlashMLA's dense bf16 decode on the same inputs, as a peer: a causal (chain) mask over
     the D query positions, not the tree's, so the same bytes and nearly the same FLOPs. Timed
-    as graph replays over the same rotating cache copies; its first call fills the scheduler
-    metadata and stays outside the graph."""
-    import torch
-
+    as graph replays over the same rotating cache copies (flashmla_calls)."""
     fm = flashmla_module()
     row = dict(base, impl="flashmla", kernel="flashmla_dense_legacy")
     if fm is None:
-        return dict(row, status="not_available", reason="flash_mla not importable (sgl-flash-mla not installed)")
+        return dict(row, status="not_available", reason=FLASHMLA_MISSING)
     if caches[0].shape[1] != FLASHMLA_PAGE:
         return dict(row, status="not_available", reason=f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE} only")
     try:
-        meta = fm.get_mla_metadata()[0]
-        k = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
-        call = lambda kc: fm.flash_mla_with_kvcache(q, kc, table, seq, LATENT_DIM, meta, softmax_scale=scale,
-                                                   causal=True, use_legacy=True)
-        call(k[0])
-        torch.cuda.synchronize()
-        next_k = rotation(k)
-        t = time_graph(lambda: call(next_k()), replays=cfg["gpu_replays"], inner=inner)
+        calls = flashmla_calls(fm, q, caches, table, seq, scale)
+        t = time_graph(calls(), replays=cfg["gpu_replays"], inner=inner)
     except Exception as e:  # a shape FlashMLA refuses is a row, not a crash
         return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
     return dict(row, roofline_fraction=base["floor_us"] / t["median_us"],

@@ -14,8 +14,8 @@ from ..gpu import ensure_fits
 from ..power import PowerSampler
 from ..timing import time_graph, time_graph_sustained
 from .runner import run_sweep
-from .verify_attn import (FLASHMLA_PAGE, cache_copies, cache_set, flashmla_module, floor_us, gpu_case, replay_inner,
-                          rotation)
+from .verify_attn import (FLASHMLA_MISSING, FLASHMLA_PAGE, cache_copies, cache_set, flashmla_calls, flashmla_module,
+                          floor_us, gpu_case, replay_inner, rotation)
 
 
 def parse_shape(text: str) -> dict:
@@ -57,23 +57,9 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
     rows = []
     fm = flashmla_module() if cfg.get("compare_flashmla", True) else None
     if cfg.get("compare_flashmla", True) and fm is None:
-        rows.append(dict(base, impl="flashmla", status="not_available",
-                         reason="flash_mla not importable (sgl-flash-mla not installed)"))
+        rows.append(dict(base, impl="flashmla", status="not_available", reason=FLASHMLA_MISSING))
     if fm is not None:
-        meta = fm.get_mla_metadata()[0]
-        k_caches = [c.view(c.shape[0], c.shape[1], 1, c.shape[2]) for c in caches]
-
-        def flashmla(kc):
-            return fm.flash_mla_with_kvcache(q, kc, table, seq, LATENT_DIM, meta, softmax_scale=scale, causal=True,
-                                             use_legacy=True)
-
-        def flashmla_calls():
-            next_k = rotation(k_caches)
-            return lambda: flashmla(next_k())
-
-        flashmla(k_caches[0])  # fills the scheduler metadata, outside any graph
-        torch.cuda.synchronize()
-        makers["flashmla"] = flashmla_calls
+        makers["flashmla"] = flashmla_calls(fm, q, caches, table, seq, scale)
     order = list(makers.items())
     for impl, make in (order if p.get("kdtree_first", True) else order[::-1]):
         time.sleep(cfg["idle_s"])  # the board's clock recovers before the burst
