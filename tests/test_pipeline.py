@@ -328,7 +328,7 @@ def test_flashmla_calls_rotate_the_copies_after_one_call_outside(monkeypatch):
 
 
 def test_report_shows_the_sustained_table(tmp_path):
-    rows = [dict(batch=16, heads=8, D=64, prefix=32768, impl=impl, burst_us=b, median_us=m, power_w=691.0,
+    rows = [dict(batch=16, heads=8, D=64, prefix=32768, page_size=64, impl=impl, burst_us=b, median_us=m, power_w=691.0,
                  sm_mhz=1700.0, temp_c=57.0, power_capped=1.0, status="ok")
             for impl, b, m in (("kdtree_kernel", 858.0, 979.0), ("flashmla", 875.0, 941.0))]
     pd.DataFrame(rows).to_parquet(tmp_path / "verify_sustained.parquet")

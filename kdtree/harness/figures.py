@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .results import flashmla_ratio, ok_rows  # noqa: E402
+from .results import flashmla_ratio, ok_rows, sustained_ratio  # noqa: E402
 from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
 from .targets import ACCEPT_TARGET_US  # noqa: E402
 
@@ -225,7 +225,8 @@ def verify_sustained(df: pd.DataFrame, path):
                  implementation=d.impl.map(SUSTAINED_IMPLS).fillna(d.impl),
                  slowdown=d.median_us / d.burst_us)
     order = list(d.sort_values(["batch", "heads", "D", "prefix"])["shape"].unique())
-    peer = {"kdtree_kernel", "flashmla"} <= set(d.impl)
+    m = sustained_ratio(d)
+    peer = m is not None and len(m) > 0
     fig, axes = plt.subplots(1, 2 + peer, figsize=(5.2 * (2 + peer), 4.4))
     sns.barplot(d, x="shape", y="slowdown", hue="implementation", order=order, ax=axes[0], errorbar=None)
     axes[0].axhline(1.0, color="grey", ls=":", lw=1)
@@ -237,10 +238,8 @@ def verify_sustained(df: pd.DataFrame, path):
         axes[1].axis("off")
         axes[1].text(0.5, 0.5, "SM clock not sampled\n(nvidia-smi unavailable)", ha="center", va="center")
     if peer:
-        keys = ["shape", "batch", "heads", "D", "prefix"]
-        kd, fm = (d[d.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
-        r = pd.concat([(fm.burst_us / kd.burst_us).rename("speed").reset_index().assign(timing="burst"),
-                       (fm.median_us / kd.median_us).rename("speed").reset_index().assign(timing="sustained")])
+        r = pd.concat([m[["shape"]].assign(speed=m.burst_ratio, timing="burst"),
+                       m[["shape"]].assign(speed=m.ratio, timing="sustained")])
         sns.barplot(r.dropna(), x="shape", y="speed", hue="timing", order=order, ax=axes[2], errorbar=None,
                     palette=["#9ecae1", "#08519c"])
         axes[2].axhline(1.0, color="grey", ls=":", lw=1)

@@ -6,7 +6,7 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
-from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, write_text_atomic
+from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio, write_text_atomic
 from .targets import check_targets
 
 
@@ -151,9 +151,8 @@ def sustained_section(d: pd.DataFrame) -> list[str]:
              "replays back to back once the board has settled; power (W), SM clock (MHz) and temperature are "
              "medians of nvidia-smi samples over the sustained window, the power-capped share the samples the "
              "driver held at the board's power limit.", "", _md(t.sort_values(keys + ["impl"])), ""]
-    kd, fm = (d[d.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
-    if not kd.empty and not fm.empty:
-        r = pd.DataFrame({"burst": fm["burst_us"] / kd["burst_us"],
-                          "sustained": fm["median_us"] / kd["median_us"]}).dropna()
-        parts += ["kdtree's speed over FlashMLA's (above 1: kdtree is faster):", "", _md(r.reset_index()), ""]
+    m = sustained_ratio(d)
+    if m is not None and len(m):
+        r = m[keys].assign(burst=m.burst_ratio, sustained=m.ratio).dropna()
+        parts += ["kdtree's speed over FlashMLA's (above 1: kdtree is faster):", "", _md(r), ""]
     return parts

@@ -97,12 +97,20 @@ class ResumableSweep:
 VERIFY_KEYS = ["heads", "D", "prefix", "batch", "page_size"]
 
 
-def flashmla_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
+def flashmla_ratio(d: pd.DataFrame, extra: tuple = ()) -> pd.DataFrame | None:
     """kdtree's verify rows joined with FlashMLA's on the same shapes (same run and inputs):
-    ``median_us`` kdtree's, ``median_us_fm`` FlashMLA's, ``ratio`` FlashMLA's time over
-    kdtree's; None without FlashMLA rows."""
+    ``median_us`` kdtree's, ``median_us_fm`` FlashMLA's (and so for the `extra` columns),
+    ``ratio`` FlashMLA's time over kdtree's; None without FlashMLA rows."""
     fm = d[d.impl == "flashmla"]
     if fm.empty:
         return None
-    m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us"]], on=VERIFY_KEYS, suffixes=("", "_fm"))
+    m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us", *extra]], on=VERIFY_KEYS,
+                                           suffixes=("", "_fm"))
     return m.assign(ratio=m.median_us_fm / m.median_us)
+
+
+def sustained_ratio(d: pd.DataFrame) -> pd.DataFrame | None:
+    """The sustained sweep's rows as flashmla_ratio joins them: ``ratio`` over the settled
+    times, ``burst_ratio`` over the bursts; None without FlashMLA rows."""
+    m = flashmla_ratio(d, extra=("burst_us",))
+    return None if m is None else m.assign(burst_ratio=m.burst_us_fm / m.burst_us)

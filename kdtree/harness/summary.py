@@ -7,7 +7,7 @@ import pathlib
 
 import pandas as pd
 
-from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows
+from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -60,12 +60,11 @@ def summary(results_dir) -> str:
                   f"{ratio.min():.2f}-{ratio.max():.2f}x its time, median {ratio.median():.2f}x, "
                   f"{int((ratio <= 1.05).sum())} within 5%.", ""]
     s = read_ok_rows(rd / "verify_sustained.parquet")
-    if s is not None and {"kdtree_kernel", "flashmla"} <= set(s.impl):
-        keys = ["batch", "heads", "D", "prefix"]
-        kd, fm = (s[s.impl == i].set_index(keys) for i in ("kdtree_kernel", "flashmla"))
-        held, burst = (fm.median_us / kd.median_us).dropna(), (fm.burst_us / kd.burst_us).dropna()
-        sampled = kd.power_capped.notna()
-        capped = (f"{int((kd.power_capped[sampled] >= 0.5).sum())} of them held at the board's power limit"
+    m = sustained_ratio(s) if s is not None else None
+    if m is not None and len(m):
+        held, burst = m.ratio.dropna(), m.burst_ratio.dropna()
+        sampled = m.power_capped.notna()   # kdtree's samples
+        capped = (f"{int((m.power_capped[sampled] >= 0.5).sum())} of them held at the board's power limit"
                   if sampled.any() else "board power not sampled")
         lines += [f"With the GPU kept busy ({len(held)} shapes, {capped}): "
                   f"kdtree at {held.min():.2f}-{held.max():.2f}x FlashMLA's speed, against "
