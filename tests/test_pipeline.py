@@ -300,6 +300,17 @@ def test_sustained_shapes_checked_by_the_schema():
     check_section("sweep_verify_sustained", dict(cfg, shapes=["16:8:64:8192"]))
 
 
+def test_sustained_sweep_checks_the_memory_cap_before_allocating():
+    """The sustained sweep counts a point's memory as the verify sweep does (point_bytes:
+    cache, q and out, the split workspace) and refuses before touching the GPU."""
+    from kdtree.harness.sweeps.verify_attn import point_bytes
+    from kdtree.harness.sweeps.verify_sustained import measure_point
+
+    need = point_bytes(16, 64, 8, 32768, 64)
+    with pytest.raises(kgpu.MemoryBudgetError, match=f"needs {need / 2**30:.2f} GiB, over the gpu_mem_cap_gb"):
+        measure_point({"batch": 16, "heads": 8, "D": 64, "prefix": 32768}, {"gpu_mem_cap_gb": 0.5, "seed": 0})
+
+
 def test_flashmla_calls_rotate_the_copies_after_one_call_outside(monkeypatch):
     """Both verify sweeps time FlashMLA through verify_attn.flashmla_calls: its metadata and
     first call once, then each timing's calls read the cache copies in turn from the first."""

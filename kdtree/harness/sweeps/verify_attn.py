@@ -143,6 +143,13 @@ def rotation(items):
     return itertools.cycle(items).__next__
 
 
+def point_bytes(B, D, H, P, page) -> int:
+    """GPU memory a verify point takes before its cache copies: the cache, q and out, the
+    split workspace and the masks (checked by ensure_fits before anything is allocated)."""
+    return (B * (math.ceil((P + D) / page) + 1) * page * QK_DIM * 2 + B * D * H * (QK_DIM + LATENT_DIM) * 2
+            + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
+
+
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     import torch
 
@@ -150,8 +157,7 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
 
     B, D, H, P, page = p["batch"], p["D"], p["heads"], p["prefix"], p["page_size"]
     S = P + D
-    need = (B * (math.ceil(S / page) + 1) * page * QK_DIM * 2 + B * D * H * (QK_DIM + LATENT_DIM) * 2
-            + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
+    need = point_bytes(B, D, H, P, page)
     ensure_fits(need, cfg["gpu_mem_cap_gb"])
     layout = cfg.get("table_layout", "scattered")
     q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, layout)

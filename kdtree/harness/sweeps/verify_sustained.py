@@ -6,16 +6,14 @@ idle pause, the time a call once the board has settled, and the board's power an
 while that is timed."""
 from __future__ import annotations
 
-import math
 import time
 
-from ...reference.attention import LATENT_DIM, QK_DIM
 from ..gpu import ensure_fits
 from ..power import PowerSampler
 from ..timing import time_graph, time_graph_sustained
 from .runner import run_sweep
 from .verify_attn import (FLASHMLA_MISSING, FLASHMLA_PAGE, cache_copies, cache_set, flashmla_calls, flashmla_module,
-                          floor_us, gpu_case, replay_inner, rotation)
+                          floor_us, gpu_case, point_bytes, replay_inner, rotation)
 
 
 def parse_shape(text: str) -> dict:
@@ -37,11 +35,11 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
 
     B, H, D, P = p["batch"], p["heads"], p["D"], p["prefix"]
     page = FLASHMLA_PAGE
-    cache_bytes = B * (math.ceil((P + D) / page) + 1) * page * QK_DIM * 2
-    ensure_fits(cache_bytes + B * D * H * (QK_DIM + LATENT_DIM) * 4, cfg["gpu_mem_cap_gb"])
+    need = point_bytes(B, D, H, P, page)
+    ensure_fits(need, cfg["gpu_mem_cap_gb"])
     q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, "runs")
     copies = cache_copies(cache)
-    ensure_fits(copies * cache_bytes, cfg["gpu_mem_cap_gb"])
+    ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
     caches = cache_set(cache, copies)
     inner = replay_inner(copies, cfg["graph_inner"])
     scale = cfg["scale"]
