@@ -1,5 +1,7 @@
 // Types and helpers shared by the kernels of libkdtree.
 #pragma once
+#include <atomic>
+
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <stdint.h>
@@ -44,6 +46,25 @@ inline int device_facts(const DeviceFacts** out) {
   }
   *out = &f;
   return 0;
+}
+
+// Kernel's dynamic shared memory bound (and, where carveout >= 0, its shared memory
+// carveout), set once per device: attributes live in the device's context, so later
+// launches skip the driver calls (host time an eager caller pays). Every caller passes the
+// same values for one Kernel, so no launch can find a bound below its own.
+template <auto Kernel>
+cudaError_t configure_once(int smem_bound, int carveout = -1) {
+  static std::atomic<bool> done[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (done[dev].load(std::memory_order_acquire)) return cudaSuccess;
+  e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bound);
+  if (e == cudaSuccess && carveout >= 0)
+    e = cudaFuncSetAttribute(Kernel, cudaFuncAttributePreferredSharedMemoryCarveout, carveout);
+  if (e == cudaSuccess) done[dev].store(true, std::memory_order_release);
+  return e;
 }
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -159,8 +159,8 @@ int launch_accept(const int64_t* candidates, const int64_t* next_token, const in
   constexpr int per_cta = ACCEPT_THREADS / GROUP;
   const size_t smem = STAGED ? per_cta * accept_row_bytes(D) : 0;
   auto kernel = tree_accept_kernel<STAGED, GROUP>;
-  if (smem > 48 * 1024) {  // opt in above the default dynamic shared memory limit
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (smem > 48 * 1024) {  // opt in above the default limit, to the bound of every staged row
+    const cudaError_t e = configure_once<tree_accept_kernel<STAGED, GROUP>>((int)ACCEPT_SMEM_MAX);
     if (e != cudaSuccess) return (int)e;
   }
   kernel<<<ceil_div(B, per_cta), ACCEPT_THREADS, smem, st>>>(

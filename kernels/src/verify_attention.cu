@@ -261,9 +261,7 @@ int with_tile(int rows, F f) {
 
 template <class T>
 int ctas_per_sm(int* n) {
-  cudaError_t e = cudaFuncSetAttribute(verify_attention_kernel<T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)T::SMEM_BYTES);
+  cudaError_t e = configure_once<verify_attention_kernel<T>>((int)T::SMEM_BYTES);
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, verify_attention_kernel<T>, T::THREADS,
                                                       T::SMEM_BYTES);
@@ -272,9 +270,7 @@ int ctas_per_sm(int* n) {
 
 template <class T>
 int launch(const Params& p, int B, cudaStream_t st) {
-  cudaError_t e = cudaFuncSetAttribute(verify_attention_kernel<T>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)T::SMEM_BYTES);
+  const cudaError_t e = configure_once<verify_attention_kernel<T>>((int)T::SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
   dim3 grid(ceil_div(p.R, T::ROWS), p.num_splits, B);
   verify_attention_kernel<T><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);

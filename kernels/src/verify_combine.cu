@@ -90,14 +90,17 @@ constexpr int QUARTER = V_DIM / 4;  // value columns of a CTA: 32 lanes x 4
 // Splits a lane loads before the weights are known: more loads in flight, but 8 costs
 // occupancy at 33 splits (A/B in docs/kernels/verify_attention.md).
 constexpr int PRE = 4;
-constexpr int QUARTER_SMEM = (MAX_SPLITS + WARPS) * 4 + WARPS * 32 * 16;  // its static shared memory
+// Its shared memory, one struct so the held launch can count the static bytes.
+struct QuarterShared {
+  float4 acc[WARPS][32];  // the warps' sums, added by warp 0
+  float w[MAX_SPLITS];    // the splits' weights
+  float red[WARPS];       // a value a warp in the block reductions
+};
 
 __global__ void __launch_bounds__(32 * WARPS)
 combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
                      int num_splits, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
-  __shared__ float s_w[MAX_SPLITS];
-  __shared__ float s_red[WARPS];
-  __shared__ float4 s_acc[WARPS][32];  // QUARTER_SMEM bytes in all
+  __shared__ QuarterShared sh;
   const int quarter = blockIdx.x, row = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const size_t base = (size_t)b * num_splits * R + row;  // + s * R
@@ -119,38 +122,38 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   const float my_lse = tid < num_splits ? part_lse[base + (size_t)tid * R] : -INFINITY;
   float m = my_lse;
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (lane == 0) s_red[warp] = m;
+  if (lane == 0) sh.red[warp] = m;
   __syncthreads();
-  m = s_red[0];
-  for (int w = 1; w < WARPS; ++w) m = fmaxf(m, s_red[w]);
+  m = sh.red[0];
+  for (int w = 1; w < WARPS; ++w) m = fmaxf(m, sh.red[w]);
   __syncthreads();
   float tot = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
-  if (tid < num_splits) s_w[tid] = tot;
+  if (tid < num_splits) sh.w[tid] = tot;
   for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
-  if (lane == 0) s_red[warp] = tot;
+  if (lane == 0) sh.red[warp] = tot;
   __syncthreads();
   tot = 0.f;
-  for (int w = 0; w < WARPS; ++w) tot += s_red[w];
+  for (int w = 0; w < WARPS; ++w) tot += sh.red[w];
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
 
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < PRE; ++i) {
     const int s = warp + i * WARPS;
-    const float w = s < num_splits ? s_w[s] : 0.f;
+    const float w = s < num_splits ? sh.w[s] : 0.f;
     if (w != 0.f) fma4(acc, w, pre[i]);
   }
 #pragma unroll 8
   for (int s = warp + PRE * WARPS; s < num_splits; s += WARPS) {
     const uint2 v = __ldg(src(s));
-    const float w = s_w[s];
+    const float w = sh.w[s];
     if (w != 0.f) fma4(acc, w, v);
   }
-  s_acc[warp][lane] = acc;
+  sh.acc[warp][lane] = acc;
   __syncthreads();
   if (warp == 0) {
     for (int g = 1; g < WARPS; ++g) {
-      const float4 x = s_acc[g][lane];
+      const float4 x = sh.acc[g][lane];
       acc.x += x.x; acc.y += x.y; acc.z += x.z; acc.w += x.w;
     }
     __nv_bfloat16* dst = out + ((size_t)b * R + row) * V_DIM + c;
@@ -164,9 +167,8 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
 // pdl_wait()). HELD asks for enough shared memory (unused) that at most ceil(CTAs / SMs)
 // CTAs fit an SM: CTAs scheduled early land on the SMs the attention kernel leaves free, and
 // more there would pile the combine's reads onto those few SMs.
-template <class... Params, class... Args>
-int launch(void (*kernel)(Params...), dim3 grid, int static_smem, cudaStream_t st, int how,
-           const DeviceFacts& d, Args... args) {
+template <auto Kernel, class... Args>
+int launch(dim3 grid, int static_smem, cudaStream_t st, int how, const DeviceFacts& d, Args... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -185,14 +187,10 @@ int launch(void (*kernel)(Params...), dim3 grid, int static_smem, cudaStream_t s
     // launches, so that concurrent launches of other counts cannot lower it under this one.
     const int footprint = d.smem_sm / (held + 1) + 1;
     cfg.dynamicSmemBytes = (size_t)max(0, footprint - static_smem - d.smem_reserved);
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         d.smem_sm / 2 + 1);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               (int)cudaSharedmemCarveoutMaxShared);
+    const cudaError_t e = configure_once<Kernel>(d.smem_sm / 2 + 1, (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return (int)e;
   }
-  return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
+  return (int)cudaLaunchKernelEx(&cfg, Kernel, args...);
 }
 
 // The combine's grid: below ROW_SPLITS splits a warp per half row (WARPS a CTA), else a
@@ -211,10 +209,10 @@ long long combine_ctas(int B, int R, int num_splits) {
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
   const dim3 grid = combine_grid(B, p.R, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? launch(combine_half_rows, grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
-               p.out, p.lse)
-      : launch(combine_quarter_rows, grid, QUARTER_SMEM, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, p.out,
-               p.lse);
+      ? launch<combine_half_rows>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
+                                  p.out, p.lse)
+      : launch<combine_quarter_rows>(grid, (int)sizeof(QuarterShared), st, how, d, p.part_out, p.part_lse, p.R,
+                                     p.num_splits, p.out, p.lse);
   if (rc) return rc;
   KD_LAUNCH_CHECK();
   return 0;

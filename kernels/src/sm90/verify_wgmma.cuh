@@ -515,8 +515,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 // (MERGE), else none. `attr` holds the cluster shape.
 template <int COPY, bool MERGE>
 cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, cudaLaunchConfig_t* cfg) {
-  const cudaError_t e = cudaFuncSetAttribute(verify_attention_wgmma_kernel<COPY, MERGE>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM_BYTES);
+  const cudaError_t e = configure_once<verify_attention_wgmma_kernel<COPY, MERGE>>((int)SMEM_BYTES);
   *cfg = {};
   cfg->gridDim = grid;
   cfg->blockDim = dim3(THREADS);
