@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pathlib
 
-import pandas as pd
-
 from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
 
