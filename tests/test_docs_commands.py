@@ -74,6 +74,8 @@ COVERED = {
     "scripts/ncu_stalls.py": ("run", None),
     "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
                                               "docs/kernels/verify_attention.md)"),
+    "scripts/wgmma_rate.cu": ("gpu", "session 41's step rates on the H200 (docs/kernels/verify_attention.md); "
+                                     "built by nvcc alone, no library"),
     "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
                                          "tests/test_kernel_host.py"),
     "scripts/profile_verify.py --latency": ("gpu", "a profile build of c93256c on the H200 (session 36, "

@@ -1,0 +1,108 @@
+// Cycles a wgmma step costs on this GPU when nothing else runs: the shapes and operand
+// sources the verify kernel's S and PV use, one or two warpgroups issuing, one CTA an SM on
+// every SM. A step's tensor work alone is 32 cycles for m64n64k16 and 128 for m64n256k16
+// (bf16, 2,048 FMAs a cycle an SM); what a loop of them takes above that is what the
+// hardware adds. Operands are zeros: the rate does not depend on the values.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I kernels/src -I kernels/include -o /tmp/wgmma_rate scripts/wgmma_rate.cu
+//   /tmp/wgmma_rate
+#include <cstdio>
+#include <vector>
+
+#include "mma.cuh"
+#include "sm90/wgmma.cuh"
+
+using namespace kd;
+
+constexpr int STEPS = 36;  // S's k-steps over the 576 columns
+constexpr int SMEM = 3 * 73728 + 1024;
+
+// m64n64k16 with A from registers (each warp's 16 rows as mma.sync's A fragment).
+__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+      "%10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
+      "%30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG };
+
+template <int MODE>
+__global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, int iters) {
+  extern __shared__ unsigned char raw[];
+  for (int i = threadIdx.x; i < SMEM / 4; i += blockDim.x) reinterpret_cast<float*>(raw)[i] = 0.f;
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t base = (smem_addr(raw) + 1023) & ~1023u;
+  const int wg = threadIdx.x / 128;
+  const bool issues = wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG;
+  const uint32_t a = base + wg * 73728, b = base + 2 * 73728;  // A per warpgroup, B shared
+  float d64[32] = {}, d256[128] = {};
+  const uint32_t frag[4] = {0u, 0u, 0u, 0u};
+  const long long t0 = clock64();
+  if (issues) {
+    for (int it = 0; it < iters; ++it) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < STEPS; ++kk) {
+        const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+        if constexpr (MODE == SS256_ONE_WG || MODE == SS256_TWO_WG) {
+          wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
+                              sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
+        } else if constexpr (MODE == RS64_ONE_WG) {
+          wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
+        } else {
+          wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
+                          sw128_desc(b + col * 8192 + step, 16, 1024), 1);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+  }
+  const long long t1 = clock64();
+  float s = 0.f;
+  for (int i = 0; i < 32; ++i) s += d64[i];
+  for (int i = 0; i < 128; ++i) s += d256[i];
+  if (s != 0.f) sink[threadIdx.x] = s;  // zeros in, zeros out: never taken, keeps the loop
+  if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + wg] = issues ? t1 - t0 : 0;
+}
+
+template <int MODE>
+void run(const char* name, int sms, int iters) {
+  long long* dc;
+  float* ds;
+  cudaMalloc(&dc, sms * 2 * sizeof(long long));
+  cudaMalloc(&ds, 256 * sizeof(float));
+  cudaFuncSetAttribute(rate<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  rate<MODE><<<sms, 256, SMEM>>>(dc, ds, 10);  // warm-up
+  rate<MODE><<<sms, 256, SMEM>>>(dc, ds, iters);
+  std::vector<long long> c(sms * 2);
+  cudaMemcpy(c.data(), dc, c.size() * sizeof(long long), cudaMemcpyDeviceToHost);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) { printf("%s: %s\n", name, cudaGetErrorString(e)); return; }
+  double sum = 0;
+  int n = 0;
+  for (long long x : c) if (x > 0) { sum += (double)x; ++n; }
+  printf("%-34s %7.1f cycles a step (a warpgroup's own steps, mean over %d)\n", name,
+         sum / n / ((double)iters * STEPS), n);
+  cudaFree(dc);
+  cudaFree(ds);
+}
+
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int iters = 2000;
+  run<SS64_ONE_WG>("m64n64k16 SS, one warpgroup", sms, iters);
+  run<SS64_TWO_WG>("m64n64k16 SS, two warpgroups", sms, iters);
+  run<RS64_ONE_WG>("m64n64k16 RS, one warpgroup", sms, iters);
+  run<SS256_ONE_WG>("m64n256k16 SS (B MN-major), one", sms, iters / 4);
+  run<SS256_TWO_WG>("m64n256k16 SS (B MN-major), two", sms, iters / 4);
+  return 0;
+}
