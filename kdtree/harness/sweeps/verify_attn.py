@@ -150,6 +150,19 @@ def point_bytes(B, D, H, P, page) -> int:
             + B * 64 * D * H * LATENT_DIM * 4 + B * D * D)
 
 
+def point_inputs(B, D, H, P, page, cfg: dict, layout: str):
+    """A point's GPU inputs (gpu_case, seeded by the shape) and the cache copies its timings
+    rotate through, each allocation checked against `gpu_mem_cap_gb` before it is made:
+    ((q, cache, table, seq, vis), the copies, the launches a graph replay captures)."""
+    need = point_bytes(B, D, H, P, page)
+    ensure_fits(need, cfg["gpu_mem_cap_gb"])
+    case = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, layout)
+    cache = case[1]
+    copies = cache_copies(cache)
+    ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
+    return case, cache_set(cache, copies), replay_inner(copies, cfg["graph_inner"])
+
+
 def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
     import torch
 
@@ -157,16 +170,11 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
 
     B, D, H, P, page = p["batch"], p["D"], p["heads"], p["prefix"], p["page_size"]
     S = P + D
-    need = point_bytes(B, D, H, P, page)
-    ensure_fits(need, cfg["gpu_mem_cap_gb"])
     layout = cfg.get("table_layout", "scattered")
-    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, layout)
+    (q, cache, table, seq, vis), caches, inner = point_inputs(B, D, H, P, page, cfg, layout)
+    copies = len(caches)
     scale = cfg["scale"]
-    copies = cache_copies(cache)
-    ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
-    caches = cache_set(cache, copies)
     out = ops.tree_verify(q, cache, table, seq, vis, scale)
-    inner = replay_inner(copies, cfg["graph_inner"])
 
     def timed(kernel):
         next_cache = rotation(caches)

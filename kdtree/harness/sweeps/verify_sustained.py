@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import time
 
-from ..gpu import ensure_fits
 from ..power import PowerSampler
 from ..timing import time_graph, time_graph_sustained
 from .runner import run_sweep
-from .verify_attn import (FLASHMLA_MISSING, FLASHMLA_PAGE, cache_copies, cache_set, flashmla_calls, flashmla_module,
-                          floor_us, gpu_case, point_bytes, replay_inner, rotation)
+from .verify_attn import (FLASHMLA_MISSING, FLASHMLA_PAGE, flashmla_calls, flashmla_module, floor_us, point_inputs,
+                          rotation)
 
 
 def parse_shape(text: str) -> dict:
@@ -35,13 +34,7 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
 
     B, H, D, P = p["batch"], p["heads"], p["D"], p["prefix"]
     page = FLASHMLA_PAGE
-    need = point_bytes(B, D, H, P, page)
-    ensure_fits(need, cfg["gpu_mem_cap_gb"])
-    q, cache, table, seq, vis = gpu_case(B, D, H, P, page, cfg["seed"] + B + D + H + P, "runs")
-    copies = cache_copies(cache)
-    ensure_fits(need + (copies - 1) * cache.numel() * 2, cfg["gpu_mem_cap_gb"])
-    caches = cache_set(cache, copies)
-    inner = replay_inner(copies, cfg["graph_inner"])
+    (q, cache, table, seq, vis), caches, inner = point_inputs(B, D, H, P, page, cfg, "runs")
     scale = cfg["scale"]
     out = ops.tree_verify(q, cache, table, seq, vis, scale)
 
@@ -50,7 +43,7 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
         return lambda: ops.tree_verify(q, next_cache(), table, seq, vis, scale, out=out)
 
     makers = {"kdtree_kernel": kdtree_calls}
-    base = dict(p, page_size=page, floor_us=floor_us(B, D, H, P), cache_copies=copies, graph_inner=inner,
+    base = dict(p, page_size=page, floor_us=floor_us(B, D, H, P), cache_copies=len(caches), graph_inner=inner,
                 warmup_s=cfg["warmup_s"], seconds=cfg["seconds"])
     rows = []
     fm = flashmla_module() if cfg.get("compare_flashmla", True) else None
