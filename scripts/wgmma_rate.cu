@@ -2,7 +2,10 @@
 // sources the verify kernel's S and PV use, one or two warpgroups issuing, one CTA an SM on
 // every SM. A step's tensor work alone is 32 cycles for m64n64k16 and 128 for m64n256k16
 // (bf16, 2,048 FMAs a cycle an SM); what a loop of them takes above that is what the
-// hardware adds. Operands are zeros: the rate does not depend on the values.
+// hardware adds. Operands are zeros: the rate does not depend on the values. Last, what a
+// tile's softmax (the verify kernel's arithmetic on 64 x 64 scores) costs warpgroup 1 alone
+// and while warpgroup 0 keeps the tensor pipe busy (S's steps from shared memory or with A
+// from registers, or PV's), whole and without some of its parts.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I kernels/src -I kernels/include -o /tmp/wgmma_rate scripts/wgmma_rate.cu
 //   /tmp/wgmma_rate
@@ -30,9 +33,55 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG };
+enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG, SOFTMAX_ALONE, SOFTMAX_UNDER_S,
+            SOFTMAX_UNDER_S_RS, SOFTMAX_UNDER_PV };
+// Parts of the softmax kept (SOFTMAX modes): all, without P's shared-memory stores, without
+// the stores and the quad shuffles (exp2 and adds only).
+enum Parts { ALL, NO_STORES, NO_SHUFFLES };
 
-template <int MODE>
+// A tile's softmax as the verify kernel does it on a thread's 32 scores (two rows): row
+// maxima by trees and quad shuffles, exp2 of the scaled scores, row sums, P to shared memory
+// as bf16 in the kernel's swizzled layout (every warp on the same 16 rows: the bank pattern
+// is what counts).
+template <int PARTS>
+__device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint32_t p_tile, int lane) {
+  float mx[2], sum[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float m8[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
+#pragma unroll
+    for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+      for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
+    float m = PARTS == NO_SHUFFLES ? m8[0] : fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
+    mx[h] = (PARTS == NO_SHUFFLES ? m : fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2))) * scale;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float acc[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float p0 = exp2f(fmaf(s[4 * j + 2 * h], scale, -mx[h]));
+      const float p1 = exp2f(fmaf(s[4 * j + 2 * h + 1], scale, -mx[h]));
+      acc[j] = p0 + p1;
+      if (PARTS == ALL)
+        asm volatile("st.shared.u32 [%0], %1;\n"
+                     ::"r"(p_tile + ((lane >> 2) + 8 * h) * 128 + ((j ^ (lane >> 2)) << 4) + 4 * (lane & 3)),
+                       "r"(pack_bf16(p0, p1)) : "memory");
+    }
+#pragma unroll
+    for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+      for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+    sum[h] = PARTS == NO_SHUFFLES ? acc[0] : acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 1);
+    if (PARTS != NO_SHUFFLES) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+  }
+  return sum[0] + sum[1];
+}
+
+template <int MODE, int PARTS = ALL>
 __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, int iters) {
   extern __shared__ unsigned char raw[];
   for (int i = threadIdx.x; i < SMEM / 4; i += blockDim.x) reinterpret_cast<float*>(raw)[i] = 0.f;
@@ -40,10 +89,53 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
   __syncthreads();
   const uint32_t base = (smem_addr(raw) + 1023) & ~1023u;
   const int wg = threadIdx.x / 128;
-  const bool issues = wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG;
+  constexpr bool SOFTMAX = MODE >= SOFTMAX_ALONE;
+  const bool issues = SOFTMAX ? (wg == 0 && MODE != SOFTMAX_ALONE)
+                              : (wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG);
   const uint32_t a = base + wg * 73728, b = base + 2 * 73728;  // A per warpgroup, B shared
   float d64[32] = {}, d256[128] = {};
   const uint32_t frag[4] = {0u, 0u, 0u, 0u};
+  if constexpr (SOFTMAX) {  // warpgroup 1 times `iters` softmaxes; warpgroup 0 issues wgmmas meanwhile
+    if (wg == 1) {
+      float sc[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sc[i] = (float)(threadIdx.x % 7 + i);
+      float acc = 0.f;
+      const long long t0 = clock64();
+      for (int it = 0; it < iters; ++it) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) sc[i] = fmaf(sc[i], 0.999f, acc * 1e-9f);
+        acc += softmax_tile<PARTS>(sc, 0.1887f, a, threadIdx.x & 31);  // its own A tile: not S's operands
+      }
+      const long long t1 = clock64();
+      if (acc == -1.f) sink[threadIdx.x] = acc;
+      if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + 1] = t1 - t0;
+    } else if (issues) {
+      for (int it = 0; it < 10 * iters; ++it) {  // outlasts warpgroup 1's loop
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < STEPS; ++kk) {
+          const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+          if constexpr (MODE == SOFTMAX_UNDER_S_RS)
+            wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
+          else if constexpr (MODE == SOFTMAX_UNDER_PV)
+            wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
+                                sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
+          else
+            wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
+                            sw128_desc(b + col * 8192 + step, 16, 1024), 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+      }
+      for (int i = 0; i < 128; ++i) d64[i & 31] += d256[i];
+      float z = 0.f;
+      for (int i = 0; i < 32; ++i) z += d64[i];
+      if (z != 0.f) sink[threadIdx.x] = z;
+    }
+    if (threadIdx.x % 128 == 0 && wg == 0) cycles[blockIdx.x * 2] = 0;
+    return;
+  }
   const long long t0 = clock64();
   if (issues) {
     for (int it = 0; it < iters; ++it) {
@@ -73,15 +165,15 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
   if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + wg] = issues ? t1 - t0 : 0;
 }
 
-template <int MODE>
+template <int MODE, int PARTS = ALL>
 void run(const char* name, int sms, int iters) {
   long long* dc;
   float* ds;
   cudaMalloc(&dc, sms * 2 * sizeof(long long));
   cudaMalloc(&ds, 256 * sizeof(float));
-  cudaFuncSetAttribute(rate<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-  rate<MODE><<<sms, 256, SMEM>>>(dc, ds, 10);  // warm-up
-  rate<MODE><<<sms, 256, SMEM>>>(dc, ds, iters);
+  cudaFuncSetAttribute(rate<MODE, PARTS>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  rate<MODE, PARTS><<<sms, 256, SMEM>>>(dc, ds, 10);  // warm-up
+  rate<MODE, PARTS><<<sms, 256, SMEM>>>(dc, ds, iters);
   std::vector<long long> c(sms * 2);
   cudaMemcpy(c.data(), dc, c.size() * sizeof(long long), cudaMemcpyDeviceToHost);
   const cudaError_t e = cudaGetLastError();
@@ -89,8 +181,11 @@ void run(const char* name, int sms, int iters) {
   double sum = 0;
   int n = 0;
   for (long long x : c) if (x > 0) { sum += (double)x; ++n; }
-  printf("%-34s %7.1f cycles a step (a warpgroup's own steps, mean over %d)\n", name,
-         sum / n / ((double)iters * STEPS), n);
+  if (MODE >= SOFTMAX_ALONE)
+    printf("%-34s %7.1f cycles a tile (warpgroup 1, mean over %d)\n", name, sum / n / iters, n);
+  else
+    printf("%-34s %7.1f cycles a step (a warpgroup's own steps, mean over %d)\n", name,
+           sum / n / ((double)iters * STEPS), n);
   cudaFree(dc);
   cudaFree(ds);
 }
@@ -104,5 +199,13 @@ int main() {
   run<RS64_ONE_WG>("m64n64k16 RS, one warpgroup", sms, iters);
   run<SS256_ONE_WG>("m64n256k16 SS (B MN-major), one", sms, iters / 4);
   run<SS256_TWO_WG>("m64n256k16 SS (B MN-major), two", sms, iters / 4);
+  run<SOFTMAX_ALONE>("softmax of a tile, alone", sms, iters);
+  run<SOFTMAX_UNDER_S>("softmax of a tile, under S", sms, iters);
+  run<SOFTMAX_UNDER_S_RS>("softmax of a tile, under S (RS)", sms, iters);
+  run<SOFTMAX_UNDER_PV>("softmax of a tile, under PV", sms, iters);
+  run<SOFTMAX_ALONE, NO_STORES>("  without P's stores, alone", sms, iters);
+  run<SOFTMAX_UNDER_S, NO_STORES>("  without P's stores, under S", sms, iters);
+  run<SOFTMAX_ALONE, NO_SHUFFLES>("  exp2 and adds only, alone", sms, iters);
+  run<SOFTMAX_UNDER_S, NO_SHUFFLES>("  exp2 and adds only, under S", sms, iters);
   return 0;
 }
