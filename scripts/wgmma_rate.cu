@@ -81,6 +81,41 @@ __device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint3
   return sum[0] + sum[1];
 }
 
+// The instruction a mode's issuing warpgroup loops over: S's step from shared memory, S's
+// step with A from registers, or PV's step.
+enum Step { S_SS, S_RS, PV_SS };
+__host__ __device__ constexpr int step_of(int mode) {
+  return mode == RS64_ONE_WG || mode == SOFTMAX_UNDER_S_RS                         ? S_RS
+         : mode == SS256_ONE_WG || mode == SS256_TWO_WG || mode == SOFTMAX_UNDER_PV ? PV_SS
+                                                                                     : S_SS;
+}
+
+// `loops` loops of STEPS steps of kind STEP, each loop committed and waited for.
+template <int STEP>
+__device__ __forceinline__ void issue_steps(float (&d64)[32], float (&d256)[128], uint32_t a, uint32_t b,
+                                            const uint32_t (&frag)[4], int loops) {
+  for (int it = 0; it < loops; ++it) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < STEPS; ++kk) {
+      const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+      if constexpr (STEP == PV_SS) {
+        wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
+                            sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
+      } else if constexpr (STEP == S_RS) {
+        wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
+      } else {
+        wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
+                        sw128_desc(b + col * 8192 + step, 16, 1024), 1);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+}
+
+// Step modes: each issuing warpgroup times its own loops. Softmax modes: warpgroup 1 times
+// `iters` softmaxes while warpgroup 0 (unless alone) issues steps for longer.
 template <int MODE, int PARTS = ALL>
 __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, int iters) {
   extern __shared__ unsigned char raw[];
@@ -92,77 +127,30 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
   constexpr bool SOFTMAX = MODE >= SOFTMAX_ALONE;
   const bool issues = SOFTMAX ? (wg == 0 && MODE != SOFTMAX_ALONE)
                               : (wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG);
+  const bool timed = SOFTMAX ? wg == 1 : issues;
   const uint32_t a = base + wg * 73728, b = base + 2 * 73728;  // A per warpgroup, B shared
   float d64[32] = {}, d256[128] = {};
   const uint32_t frag[4] = {0u, 0u, 0u, 0u};
-  if constexpr (SOFTMAX) {  // warpgroup 1 times `iters` softmaxes; warpgroup 0 issues wgmmas meanwhile
-    if (wg == 1) {
-      float sc[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) sc[i] = (float)(threadIdx.x % 7 + i);
-      float acc = 0.f;
-      const long long t0 = clock64();
-      for (int it = 0; it < iters; ++it) {
-#pragma unroll
-        for (int i = 0; i < 32; ++i) sc[i] = fmaf(sc[i], 0.999f, acc * 1e-9f);
-        acc += softmax_tile<PARTS>(sc, 0.1887f, a, threadIdx.x & 31);  // its own A tile: not S's operands
-      }
-      const long long t1 = clock64();
-      if (acc == -1.f) sink[threadIdx.x] = acc;
-      if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + 1] = t1 - t0;
-    } else if (issues) {
-      for (int it = 0; it < 10 * iters; ++it) {  // outlasts warpgroup 1's loop
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < STEPS; ++kk) {
-          const uint32_t col = kk >> 2, step = (kk & 3) * 32;
-          if constexpr (MODE == SOFTMAX_UNDER_S_RS)
-            wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
-          else if constexpr (MODE == SOFTMAX_UNDER_PV)
-            wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
-                                sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
-          else
-            wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
-                            sw128_desc(b + col * 8192 + step, 16, 1024), 1);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-      }
-      for (int i = 0; i < 128; ++i) d64[i & 31] += d256[i];
-      float z = 0.f;
-      for (int i = 0; i < 32; ++i) z += d64[i];
-      if (z != 0.f) sink[threadIdx.x] = z;
-    }
-    if (threadIdx.x % 128 == 0 && wg == 0) cycles[blockIdx.x * 2] = 0;
-    return;
-  }
+  float acc = 0.f;
   const long long t0 = clock64();
-  if (issues) {
-    for (int it = 0; it < iters; ++it) {
-      wgmma_fence();
+  if (SOFTMAX && wg == 1) {
+    float sc[32];
 #pragma unroll
-      for (int kk = 0; kk < STEPS; ++kk) {
-        const uint32_t col = kk >> 2, step = (kk & 3) * 32;
-        if constexpr (MODE == SS256_ONE_WG || MODE == SS256_TWO_WG) {
-          wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
-                              sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
-        } else if constexpr (MODE == RS64_ONE_WG) {
-          wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
-        } else {
-          wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
-                          sw128_desc(b + col * 8192 + step, 16, 1024), 1);
-        }
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
+    for (int i = 0; i < 32; ++i) sc[i] = (float)(threadIdx.x % 7 + i);
+    for (int it = 0; it < iters; ++it) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) sc[i] = fmaf(sc[i], 0.999f, acc * 1e-9f);
+      acc += softmax_tile<PARTS>(sc, 0.1887f, a, threadIdx.x & 31);  // its own A tile: not S's operands
     }
+  } else if (issues) {
+    issue_steps<step_of(MODE)>(d64, d256, a, b, frag, SOFTMAX ? 10 * iters : iters);  // outlasts the softmaxes
   }
   const long long t1 = clock64();
-  float s = 0.f;
+  float s = acc == -1.f ? 1.f : 0.f;
   for (int i = 0; i < 32; ++i) s += d64[i];
   for (int i = 0; i < 128; ++i) s += d256[i];
-  if (s != 0.f) sink[threadIdx.x] = s;  // zeros in, zeros out: never taken, keeps the loop
-  if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + wg] = issues ? t1 - t0 : 0;
+  if (s != 0.f) sink[threadIdx.x] = s;  // zeros in, zeros out (acc is never -1): keeps the loops
+  if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + wg] = timed ? t1 - t0 : 0;
 }
 
 template <int MODE, int PARTS = ALL>
