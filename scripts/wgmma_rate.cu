@@ -48,15 +48,8 @@ __device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint3
   float mx[2], sum[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float m8[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-#pragma unroll
-    for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-      for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
-    float m = PARTS == NO_SHUFFLES ? m8[0] : fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
-    mx[h] = (PARTS == NO_SHUFFLES ? m : fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2))) * scale;
+    const float m = thread_row_max(s, h);
+    mx[h] = (PARTS == NO_SHUFFLES ? m : quad_max(m)) * scale;
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -75,8 +68,7 @@ __device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint3
     for (int w = 4; w > 0; w >>= 1)
 #pragma unroll
       for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
-    sum[h] = PARTS == NO_SHUFFLES ? acc[0] : acc[0] + __shfl_xor_sync(0xffffffffu, acc[0], 1);
-    if (PARTS != NO_SHUFFLES) sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+    sum[h] = PARTS == NO_SHUFFLES ? acc[0] : quad_sum(acc[0]);
   }
   return sum[0] + sum[1];
 }

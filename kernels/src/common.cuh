@@ -19,6 +19,7 @@ constexpr int QK_DIM = 576;     // latent (512) + rope (64)
 constexpr int V_DIM = 512;      // values: the first 512 columns of a cache row
 constexpr float NEG_INF_FLOOR = -1.0e4f;   // -inf log-probs are clamped to this (spec 1)
 constexpr int64_t PAD_TOKEN = 0;
+constexpr int MAX_DEVICES = 64;  // per-device tables (facts, attributes, cluster counts) hold this many
 
 // What launch paths read off the current device, once per device (so launches query no
 // attributes): its index, SMs, shared memory a block may opt in to and an SM holds, compute
@@ -27,11 +28,11 @@ struct DeviceFacts {
   int device, sms, smem_optin, smem_sm, smem_reserved, major, minor, ready;
 };
 inline int device_facts(const DeviceFacts** out) {
-  static DeviceFacts facts[64];
+  static DeviceFacts facts[MAX_DEVICES];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return (int)e;
-  if (dev < 0 || dev >= 64) return KD_ERR_ARGUMENT;
+  if (dev < 0 || dev >= MAX_DEVICES) return KD_ERR_ARGUMENT;
   DeviceFacts& f = facts[dev];
   if (!f.ready) {
     e = cudaDeviceGetAttribute(&f.sms, cudaDevAttrMultiProcessorCount, dev);
@@ -54,11 +55,11 @@ inline int device_facts(const DeviceFacts** out) {
 // same values for one Kernel, so no launch can find a bound below its own.
 template <auto Kernel>
 cudaError_t configure_once(int smem_bound, int carveout = -1) {
-  static std::atomic<bool> done[64];
+  static std::atomic<bool> done[MAX_DEVICES];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  if (dev < 0 || dev >= 64) return cudaErrorInvalidDevice;
+  if (dev < 0 || dev >= MAX_DEVICES) return cudaErrorInvalidDevice;
   if (done[dev].load(std::memory_order_acquire)) return cudaSuccess;
   e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bound);
   if (e == cudaSuccess && carveout >= 0)

@@ -158,9 +158,9 @@ int launch_accept(const int64_t* candidates, const int64_t* next_token, const in
                   int32_t* accept_len, int64_t* bonus, cudaStream_t st) {
   constexpr int per_cta = ACCEPT_THREADS / GROUP;
   const size_t smem = STAGED ? per_cta * accept_row_bytes(D) : 0;
-  auto kernel = tree_accept_kernel<STAGED, GROUP>;
+  constexpr auto kernel = tree_accept_kernel<STAGED, GROUP>;
   if (smem > 48 * 1024) {  // opt in above the default limit, to the bound of every staged row
-    const cudaError_t e = configure_once<tree_accept_kernel<STAGED, GROUP>>((int)ACCEPT_SMEM_MAX);
+    const cudaError_t e = configure_once<kernel>((int)ACCEPT_SMEM_MAX);
     if (e != cudaSuccess) return (int)e;
   }
   kernel<<<ceil_div(B, per_cta), ACCEPT_THREADS, smem, st>>>(

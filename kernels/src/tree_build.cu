@@ -295,7 +295,7 @@ struct BuildFacts {
   int sms;
   int ready;
 };
-BuildFacts g_facts[64];
+BuildFacts g_facts[kd::MAX_DEVICES];
 int g_smem_limit = 0;  // bytes of dynamic shared memory the build may use; 0: the device's
 
 int build_facts(BuildFacts** out) {

@@ -183,8 +183,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      mx[h] = quad_max(mx[h]);
     }
     if (t == 0) { sMax[half * ROWS + qrow + g] = mx[0]; sMax[half * ROWS + qrow + g + 8] = mx[1]; }
     pair_barrier(pair);
@@ -209,9 +208,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-      l_run[h] = l_run[h] * alpha[h] + sum[h];
+      l_run[h] = l_run[h] * alpha[h] + quad_sum(sum[h]);
     }
     rescale_rows(alpha, o_at);
     pair_barrier(pair);  // both halves of P are in shared memory

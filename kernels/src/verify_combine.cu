@@ -55,11 +55,9 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
 #pragma unroll
   for (int i = 0; i < ROW_PRE; ++i) pre[i] = i < num_splits ? __ldg(src(i)) : make_uint4(0u, 0u, 0u, 0u);
   const float my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
-  float m = my_lse;
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  const float m = warp_max(my_lse);
   const float wt = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
-  float tot = wt;
-  for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+  const float tot = warp_sum(wt);
   const float inv = tot > 0.f ? 1.f / tot : 0.f;
 
   // An empty split (weight 0) is skipped by a select, not multiplied in (its rows hold
@@ -120,8 +118,7 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   // Block max of the split LSEs, then the sum of their exponentials. A CTA has at least
   // MAX_SPLITS threads, so each thread reads at most one LSE, once.
   const float my_lse = tid < num_splits ? part_lse[base + (size_t)tid * R] : -INFINITY;
-  float m = my_lse;
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float m = warp_max(my_lse);
   if (lane == 0) sh.red[warp] = m;
   __syncthreads();
   m = sh.red[0];
@@ -129,7 +126,7 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
   __syncthreads();
   float tot = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
   if (tid < num_splits) sh.w[tid] = tot;
-  for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+  tot = warp_sum(tot);
   if (lane == 0) sh.red[warp] = tot;
   __syncthreads();
   tot = 0.f;

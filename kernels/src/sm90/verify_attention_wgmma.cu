@@ -78,9 +78,8 @@ bool kv_map(const VerifyParams& p, CUtensorMap* out) {
 // device `dev`, asked once per device, path and size (kept plus one: static zeros mean not
 // asked). A failed query gives 0, so that launch does not merge, and is asked again next time.
 int merge_clusters(int dev, int copy, int splits) {
-  constexpr int DEVICES = 64;
-  static std::atomic<int> known[DEVICES][2][WGMMA_MERGE_MAX_SPLITS + 1];
-  if (dev < 0 || dev >= DEVICES) return 0;
+  static std::atomic<int> known[MAX_DEVICES][2][WGMMA_MERGE_MAX_SPLITS + 1];
+  if (dev < 0 || dev >= MAX_DEVICES) return 0;
   std::atomic<int>& k = known[dev][copy == COPY_RUNS][splits];
   const int kept = k.load(std::memory_order_relaxed);
   if (kept > 0) return kept - 1;

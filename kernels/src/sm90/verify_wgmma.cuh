@@ -176,11 +176,9 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
       m = ld_cluster_f32(sM + 4 * r, lane);
       l = ld_cluster_f32(sL + 4 * r, lane);
     }
-    float M = m;
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float M = warp_max(m);
     const float w = m == -INFINITY ? 0.f : exp2f(m - M);
-    float L = w * l;
-    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    const float L = warp_sum(w * l);
     const float inv = L > 0.f ? 1.f / L : 0.f;
     float4 acc[4];
 #pragma unroll
@@ -360,19 +358,11 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
                        : "memory");
         }
       }
-      // Row maxima as trees (not a 16-long dependent chain): rows g (h = 0) and g + 8.
+      // Row maxima: rows g (h = 0) and g + 8.
       float msafe[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float m8[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * h], s[4 * j + 2 * h + 1]);
-#pragma unroll
-        for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-          for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
-        float mx = fmaxf(m8[0], __shfl_xor_sync(0xffffffffu, m8[0], 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2)) * p.scale_log2;
+        const float mx = quad_max(thread_row_max(s, h)) * p.scale_log2;
         const float m_new = running_max(m_run[h], mx);
         msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
         alpha[h] = exp2f(m_run[h] - msafe[h]);
@@ -401,8 +391,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       float sum[2] = {sum0[0], sum1[0]};
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        sum[h] = quad_sum(sum[h]);
         l_run[h] = l_run[h] * alpha[h] + sum[h];
       }
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }

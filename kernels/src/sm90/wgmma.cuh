@@ -16,6 +16,19 @@ __device__ __forceinline__ uint64_t sw128_desc(uint32_t smem_addr, uint32_t lead
          ((uint64_t)((stride_bytes & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
+// The largest of a thread's 16 scores of row g + 8h in an m64n64 accumulator (d[4j + 2h],
+// d[4j + 2h + 1], j < 8), as a tree: 4 dependent steps, not a 16-long chain.
+__device__ __forceinline__ float thread_row_max(const float (&d)[32], int h) {
+  float m8[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) m8[j] = fmaxf(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+#pragma unroll
+  for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+    for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
+  return m8[0];
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
