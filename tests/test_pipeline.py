@@ -64,6 +64,44 @@ def test_failed_points_are_rows(tmp_path):
     assert "boom" in df[df.x == 1].reason.iloc[0]
 
 
+def test_settled_sweep_measures_its_first_point_once_unrecorded(tmp_path):
+    # The first graph a process times runs fast, so a settled sweep measures its first point
+    # once before the recorded pass; a failure there is recorded by the pass, not raised.
+    calls = []
+
+    def measure(p):
+        calls.append(p["x"])
+        if p["x"] == 0 and calls.count(0) == 1:
+            raise RuntimeError("first call only")
+        return [dict(p, value=len(calls))]
+
+    out = tmp_path / "s.parquet"
+    df = run_sweep("t", [{"x": i} for i in range(3)], measure, out, {}, settle=True)
+    assert calls == [0, 0, 1, 2]
+    assert sorted(df.x) == [0, 1, 2] and set(df.status) == {"ok"}
+    assert df[df.x == 0].value.iloc[0] == 2        # the recorded row is the second measurement
+    calls.clear()
+    run_sweep("t", [{"x": 0}], measure, tmp_path / "u.parquet", {})
+    assert calls == [0]                            # unsettled: measured once
+
+
+def test_resumed_settled_sweep_settles_on_its_first_missing_point(tmp_path):
+    out, calls = tmp_path / "s.parquet", []
+
+    def measure(p):
+        calls.append(p["x"])
+        if p["x"] == 2 and len(calls) == 4:        # settle 0, then 0 and 1 recorded, then 2 dies
+            raise Crash()
+        return [dict(p)]
+
+    points = [{"x": i} for i in range(4)]
+    with pytest.raises(Crash):
+        run_sweep("t", points, measure, out, {}, settle=True)
+    calls.clear()
+    df = run_sweep("t", points, measure, out, {}, settle=True)
+    assert calls == [2, 2, 3] and sorted(df.x) == [0, 1, 2, 3]
+
+
 def test_atomic_write_leaves_nothing_on_failure(tmp_path):
     class Bad:
         def to_parquet(self, *a, **k):

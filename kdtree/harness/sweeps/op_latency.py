@@ -47,4 +47,4 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
 
 def run(cfg: dict, out_path, library=None):
     points = [{"batch": int(b)} for b in cfg["batches"]]
-    return run_sweep("op_latency", points, lambda p: measure_point(p, cfg), out_path, cfg, library)
+    return run_sweep("op_latency", points, lambda p: measure_point(p, cfg), out_path, cfg, library, settle=True)

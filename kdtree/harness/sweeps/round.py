@@ -59,4 +59,4 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
 def run(cfg: dict, out_path, library=None):
     points = [{"batch": int(b), "budget": int(k), "heads": int(h), "prefix": int(pp)}
               for b in cfg["batches"] for k in cfg["budgets"] for h in cfg["heads"] for pp in cfg["prefixes"]]
-    return run_sweep("round", points, lambda p: measure_point(p, cfg), out_path, cfg, library)
+    return run_sweep("round", points, lambda p: measure_point(p, cfg), out_path, cfg, library, settle=True)

@@ -16,14 +16,25 @@ def point_id(point: dict) -> str:
 
 
 def run_sweep(name: str, points: list[dict], measure, out_path, cfg: dict, library=None,
-              extra: dict | None = None):
-    """measure(point) -> list of row dicts. Writes `out_path` when every point is done."""
+              extra: dict | None = None, settle: bool = False):
+    """measure(point) -> list of row dicts. Writes `out_path` when every point is done.
+
+    settle: measure the first point once, unrecorded, before the recorded pass. The first
+    CUDA graph a process times runs fast: on the H200 a batch-1 verify point took 6.9 us
+    first and 7.5-7.9 us second, whichever page size went first (docs/kernels/
+    verify_attention.md, session 43), so without this a sweep's first point is not timed as
+    the others are. A failure here is left to the recorded pass to record."""
     sweep = ResumableSweep(out_path)
     done = sweep.done()
     run_id = new_run_id()
     todo = [p for p in points if point_id(p) not in done]
     if done:
         print(f"{name}: resuming, {len(points) - len(todo)} of {len(points)} points already done")
+    if settle and todo:
+        try:
+            measure(todo[0])
+        except Exception:  # noqa: BLE001 - the recorded pass measures it again and records why
+            pass
     for p in tqdm(todo, desc=name, unit="pt"):
         prov = provenance(run_id, cfg, library)
         try:

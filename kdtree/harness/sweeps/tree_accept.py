@@ -61,4 +61,4 @@ def run(cfg: dict, out_path, gpu: bool | None = None, library=None):
     points = [{"batch": int(B), "D": int(D), "follow": float(f)}
               for f in rates for B in cfg["batches"] for D in cfg["slots"]]
     return run_sweep("tree_accept", points, lambda p: measure_point(p, cfg, gpu), out_path, cfg,
-                     library if gpu else None, extra={"L": cfg["L"]})
+                     library if gpu else None, extra={"L": cfg["L"]}, settle=gpu)

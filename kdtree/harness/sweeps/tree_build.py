@@ -81,4 +81,4 @@ def run(cfg: dict, out_path, gpu: bool | None = None, library=None):
     points = [{"batch": int(B), "budget": int(b), "drafts": k}
               for B in cfg["batches"] for b in cfg["budgets"] for k in drafts]
     return run_sweep("tree_build", points, lambda p: measure_point(p, cfg, gpu), out_path, cfg,
-                     library if gpu else None, extra={"L": cfg["L"], "vocab": cfg["vocab"]})
+                     library if gpu else None, extra={"L": cfg["L"], "vocab": cfg["vocab"]}, settle=gpu)

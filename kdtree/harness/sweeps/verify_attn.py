@@ -235,4 +235,4 @@ def run(cfg: dict, out_path, library=None):
               for h in cfg["heads"] for d in cfg["slots"] for pp in cfg["prefixes"]
               for b in cfg["batches"] for ps in cfg["page_sizes"]]
     return run_sweep("verify_attn", points, lambda p: measure_point(p, cfg, ceilings), out_path,
-                     cfg, library)
+                     cfg, library, settle=True)

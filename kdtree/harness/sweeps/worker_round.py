@@ -105,6 +105,7 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
 def run(cfg: dict, out_path, library=None):
     points = [{"batch": int(b), "budget": int(k), "prefix": int(pp), "heads": int(h)}
               for b in cfg["batches"] for k in cfg["budgets"] for pp in cfg["prefixes"] for h in cfg["heads"]]
-    return run_sweep("worker_round", points, lambda p: measure_point(p, cfg), out_path, cfg, library)
+    return run_sweep("worker_round", points, lambda p: measure_point(p, cfg), out_path, cfg, library,
+                     settle=True)
 
 
