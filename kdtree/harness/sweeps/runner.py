@@ -19,11 +19,10 @@ def run_sweep(name: str, points: list[dict], measure, out_path, cfg: dict, libra
               extra: dict | None = None, settle: bool = False):
     """measure(point) -> list of row dicts. Writes `out_path` when every point is done.
 
-    settle: measure the first point once, unrecorded, before the recorded pass. The first
-    CUDA graph a process times runs fast: on the H200 a batch-1 verify point took 6.9 us
-    first and 7.5-7.9 us second, whichever page size went first (docs/kernels/
-    verify_attention.md, session 43), so without this a sweep's first point is not timed as
-    the others are. A failure here is left to the recorded pass to record."""
+    settle: measure the first point once, unrecorded, before the recorded pass, because the
+    first CUDA graph a process times can run fast (~8% at batch 1 on the H200; measured in
+    docs/kernels/verify_attention.md, session 43) and would not be timed as the others are.
+    A failure here is left to the recorded pass to record."""
     sweep = ResumableSweep(out_path)
     done = sweep.done()
     run_id = new_run_id()
