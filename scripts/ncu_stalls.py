@@ -1,11 +1,11 @@
 """Where a kernel's warps wait, per SASS instruction, from Nsight Compute's warp-state sampling.
 
-Two modes. `launch B:budget:K` builds trees on the tree-build sweep's inputs (stage_a_inputs,
-L 15, V 8192, its seeds) four times, for ncu to capture one launch; `summary FILE` reads ncu's
-source page exported as CSV and prints the stall reasons' shares of all samples and the
-instructions that hold most samples of one reason (offsets from the kernel's first
-instruction). On the H200 (docs/kernels/tree_build.md, session 31; the library's build carries
-line info):
+Two modes. `launch B:budget:K [--drafts confident]` builds trees on the tree-build sweep's
+inputs (stage_a_inputs, L 15, V 8192, its seeds) four times, for ncu to capture one launch;
+`summary FILE` reads ncu's source page exported as CSV and prints the stall reasons' shares of
+all samples and the instructions that hold most samples of one reason (offsets from the
+kernel's first instruction). On the H200 (docs/kernels/tree_build.md, session 31; the
+library's build carries line info):
 
     ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64
     ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv
@@ -16,7 +16,7 @@ import csv
 import sys
 
 
-def launch(shape: str) -> None:
+def launch(shape: str, drafts: str) -> None:
     import torch
 
     from kdtree import ops
@@ -24,7 +24,7 @@ def launch(shape: str) -> None:
     from kdtree.harness.workloads import stage_a_inputs
 
     B, budget, K = (int(x) for x in shape.split(":"))
-    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts="mixed")
+    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts=drafts)
     lp, ids = lp.cuda(), ids.cuda()
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
     out = ops.tree_build(lp, ids, budgets, d_max=budget + 1)
@@ -77,13 +77,14 @@ def main(argv=None) -> None:
     sub = a.add_subparsers(dest="mode", required=True)
     la = sub.add_parser("launch", help="build trees for ncu to capture (needs a GPU)")
     la.add_argument("shape", help="batch:budget:K")
+    la.add_argument("--drafts", default="mixed", help="the synthetic drafter (workloads.DRAFTS)")
     su = sub.add_parser("summary", help="stall shares and hot instructions of an ncu source CSV")
     su.add_argument("csv")
     su.add_argument("--reason", default="no_inst", help="the stall reason to rank instructions by")
     su.add_argument("--top", type=int, default=20)
     args = a.parse_args(argv)
     if args.mode == "launch":
-        launch(args.shape)
+        launch(args.shape, args.drafts)
     else:
         summary(args.csv, args.reason, args.top)
 
