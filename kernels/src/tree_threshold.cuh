@@ -548,9 +548,9 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
 // Levels from *d (parents [*lb, *le)) while they are narrow (at most 32 parents), by warp 0
 // alone: a block level pays the block barrier, the counter and its read-back, and a
 // budget-16 tree is often a chain of 15 such levels (docs/kernels/tree_build.md, v3g). Runs
-// from the root and again after a raise. Stops at the first wider level, at a level that
-// would overflow the buffer (the block redoes it and raises tau) or at the tree's end
-// (*d = L); the block goes on from *d. The level counters stay untouched: the caller has
+// from the root, after a raise and after a wide level. Stops at the first wider level, at a
+// level that would overflow the buffer (the block redoes it and raises tau) or at the tree's
+// end (*d = L); the block goes on from *d. The level counters stay untouched: the caller has
 // them at zero.
 __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, int* d, int* lb,
                               int* le, int tid) {
@@ -1490,6 +1490,17 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       lb = le;
       le += total;
       ++d;
+#ifdef __CUDA_ARCH__
+      // A narrow level after a wide one (a deep tree past its widest level) goes back to
+      // warp 0, as after a raise: a block level costs ~2k cycles of barriers and counters.
+      // Every thread has read this level's count after the barrier; then all three
+      // counters are zero, as narrow_levels leaves them for the levels after it.
+      if (d < L && le - lb <= 32) {
+        KD_BARRIER();
+        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+        narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+      }
+#endif
     }
     if (restart) continue;
     if (tie && le - 1 < budget) {  // tie_tau is the budget-th score
