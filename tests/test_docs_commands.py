@@ -70,6 +70,8 @@ COVERED = {
     "--section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64":
         ("gpu", "session 31's stall sampling on the H200 (docs/kernels/tree_build.md)"),
     "ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv": ("gpu", "the same run's export"),
+    "scripts/ncu_stalls.py launch 128:64:64 --drafts confident": ("gpu", "session 44's stall sampling of the "
+                                                                        "confident drafter's trees on the H200"),
     "python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst": ("run", None),
     "scripts/ncu_stalls.py": ("run", None),
     "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
