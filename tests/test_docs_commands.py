@@ -210,3 +210,23 @@ def test_no_link_leaves_the_repository():
             elif not dest.exists():
                 bad.append(f"{rel}: {target} does not exist")
     assert not bad, bad
+
+
+def test_ab_sh_default_grids_pass_the_sweeps_schema():
+    """scripts/ab.sh's default --cfg-json of each sweep is what `kdtree sweep` accepts (a bad
+    key or value would only show on the GPU machine, after the builds and tests)."""
+    import json
+
+    from kdtree.cli import DEFAULTS
+    from kdtree.harness.config import check_section
+
+    text = (ROOT / "scripts" / "ab.sh").read_text()
+    for var, section in (("CFG_TREE_BUILD", "tree_build"), ("CFG_TREE_ACCEPT", "tree_accept"),
+                         ("CFG_VERIFY_ATTN", "verify_attn")):
+        m = re.search(var + r"=\$\{" + var + r":-'(\{.*?\})'\}", text)
+        assert m, f"scripts/ab.sh: no default for {var}"
+        cfg = {**DEFAULTS[section], **json.loads(m.group(1))}
+        check_section(f"sweep_{section}", {k: v for k, v in cfg.items() if k != "gpu_mem_cap_gb"})
+    # The tree build's default is issue 29's definition: both drafters, K = min(budget, 256).
+    tb = json.loads(re.search(r"CFG_TREE_BUILD:-'(\{.*?\})'", text).group(1))
+    assert tb["drafts"] == ["mixed", "confident"] and tb["max_topk"] == 256
