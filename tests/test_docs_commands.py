@@ -212,6 +212,13 @@ def test_no_link_leaves_the_repository():
     assert not bad, bad
 
 
+def test_ncu_stalls_launch_names_a_bad_drafter():
+    """Checked before anything touches the GPU, so it runs here."""
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_stalls.py"), "launch", "1:64:64",
+                        "--drafts", "sure"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode != 0 and "--drafts: expected one of ('mixed', 'confident'), got 'sure'" in r.stderr
+
+
 def test_ab_sh_default_grids_pass_the_sweeps_schema():
     """scripts/ab.sh's default --cfg-json of each sweep is what `kdtree sweep` accepts (a bad
     key or value would only show on the GPU machine, after the builds and tests)."""
