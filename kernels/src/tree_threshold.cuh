@@ -1368,6 +1368,9 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
   return le + want;
 }
 
+#ifndef KD_DEEP_GATE
+#define KD_DEEP_GATE 1  // A/B builds: 0, a deep tree takes the start bound the batch gate gives any tree
+#endif
 constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
 constexpr int DEEP_KEFF_MIN = 32;  // narrower rows: the chain bound leaves no raise to save
 constexpr int DEEP_KEFF_MAX = 64;  // the widest rows whose deep trees skip the chain bound
@@ -1414,7 +1417,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // shapes; the deviation bound cost more there).
   const bool chain_start = start == START_ALWAYS;
   const bool wide = keff >= DEEP_KEFF_MIN;
-  const bool deep = L >= DEEP_CHAIN && (wide ? !chain_start || keff <= DEEP_KEFF_MAX : start == START_DEEP) &&
+  const bool deep = KD_DEEP_GATE && L >= DEEP_CHAIN &&
+                    (wide ? !chain_start || keff <= DEEP_KEFF_MAX : start == START_DEEP) &&
                     deep_chain(t, tau);
   if ((chain_start || deep) && (long long)L * keff >= budget)
     tau = keff < budget || (deep && wide) ? deviation_bound(t, L, keff, budget, tau, tid, nthreads)
