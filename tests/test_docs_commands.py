@@ -228,12 +228,14 @@ def test_ab_sh_default_grids_pass_the_sweeps_schema():
     from kdtree.harness.config import check_section
 
     text = (ROOT / "scripts" / "ab.sh").read_text()
+    grids = {}
     for var, section in (("CFG_TREE_BUILD", "tree_build"), ("CFG_TREE_ACCEPT", "tree_accept"),
                          ("CFG_VERIFY_ATTN", "verify_attn")):
         m = re.search(var + r"=\$\{" + var + r":-'(\{.*?\})'\}", text)
         assert m, f"scripts/ab.sh: no default for {var}"
-        cfg = {**DEFAULTS[section], **json.loads(m.group(1))}
+        grids[var] = json.loads(m.group(1))
+        cfg = {**DEFAULTS[section], **grids[var]}
         check_section(f"sweep_{section}", {k: v for k, v in cfg.items() if k != "gpu_mem_cap_gb"})
     # The tree build's default is issue 29's definition: both drafters, K = min(budget, 256).
-    tb = json.loads(re.search(r"CFG_TREE_BUILD:-'(\{.*?\})'", text).group(1))
+    tb = grids["CFG_TREE_BUILD"]
     assert tb["drafts"] == ["mixed", "confident"] and tb["max_topk"] == 256
