@@ -392,6 +392,13 @@ __device__ __forceinline__ int owner_lane(int incl, int j) {
 }
 #endif
 
+// Thread 0 zeroes all three rotating level counters; a barrier must come before any level
+// reads them (each caller's next narrow_levels or block level has one).
+KD_HD void clear_level_counters(const Threshold& t, int tid) {
+  if (tid == 0)
+    for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+}
+
 // Children of the level's parents [lb, le) scoring >= tau, appended at le: sibling ranks
 // contiguous, ascending. Writes stop at the buffer's end; returns the level's full count
 // (more than cap - le: the level overflowed). Device: each warp takes 32 parents and
@@ -1430,7 +1437,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   double tie_tau = 0.0;  // tie: tau is next_up(tie_tau), tie_tau maybe the budget-th score
   bool guess = false, tie = false;
   int lb, le, raises = 0;
-  if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+  clear_level_counters(t, tid);
   for (;;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
     lb = 0;
@@ -1458,7 +1465,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         // All three level counters to zero (read by all before raise_tau's barriers): the
         // narrow levels below may skip any number of levels, and the restarts below need
         // them zero too.
-        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+        clear_level_counters(t, tid);
         if (nt > tau) {
           tau = nt;
           guess = false;
@@ -1501,7 +1508,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       // counters are zero, as narrow_levels leaves them for the levels after it.
       if (d < L && le - lb <= 32) {
         KD_BARRIER();
-        if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+        clear_level_counters(t, tid);
         narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
       }
 #endif
@@ -1516,7 +1523,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     if (guess && le - 1 < budget) {  // the guess was too high
       if (++raises > TS_MAX_RAISES) return -1;
       KD_BARRIER();
-      if (tid == 0) for (int c = 0; c < 3; ++c) t.scratch[TS_COUNTERS + c] = 0;
+      clear_level_counters(t, tid);
       hi = tau;
       tau = lo + (hi - lo) / 2;
       if (!(tau > lo && tau < hi)) return -1;
