@@ -113,23 +113,12 @@ KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   return t;
 }
 
-#ifndef KD_EXACT_TWO_SUB
-#define KD_EXACT_TWO_SUB 0  // A/B builds: 1, exact_sum by two independent subtractions
-#endif
-#if KD_EXACT_TWO_SUB
-// True where a + b == s == fl(a + b) exactly: s - a and s - b, the one whose subtrahend is
-// the larger operand is exact (Fast2Sum), so both give back the other operand only then.
-// Two independent subtractions, not TwoSum's four dependent ones: on warp 0's narrow chain.
+// True where a + b == s == fl(a + b) exactly: of s - a and s - b, the one that subtracts the
+// larger operand is exact (Fast2Sum), so both give back the other operand only then. Two
+// independent subtractions, not TwoSum's four dependent ones: it runs on warp 0's narrow chain.
 KD_HD bool exact_sum(double a, double b, double s) {
   return KD_DSUB(s, a) == b && KD_DSUB(s, b) == a;
 }
-#else
-// True where a + b == s exactly (the TwoSum error term is zero).
-KD_HD bool exact_sum(double a, double b, double s) {
-  const double bb = KD_DSUB(s, a);
-  return KD_DADD(KD_DSUB(a, KD_DSUB(s, bb)), KD_DSUB(b, bb)) == 0.0;
-}
-#endif
 
 // The least float >= y: for a float v, v >= y exactly when v >= it.
 KD_HD float float_at_or_above(double y) {
