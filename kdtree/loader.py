@@ -48,6 +48,8 @@ _ABI = {
     "kd_verify_run": [ctypes.POINTER(KdVerifyPlan), _P, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_float,
                       _P, _P, _P, _P, _P],
     "kd_sglang_custom_mask": [_P, _P, _P, _I, _I, ctypes.c_int64, _P, _P],
+    "kd_sglang_round_layout": [_P] * 8 + [_I] * 2 + [_P] * 5 + [_P],
+    "kd_sglang_accept_outputs": [_P] * 4 + [_I] * 2 + [_P] * 3 + [_P],
 }
 
 

@@ -47,7 +47,7 @@ def cpu_round(lp, ids, budgets, bonus, prefix, q, target=None):
     return trees, layout
 
 
-@pytest.mark.parametrize("bs,budget", [(1, 16), (7, 64), (64, 64), (3, 256)])
+@pytest.mark.parametrize("bs,budget", [(1, 16), (7, 64), (64, 64), (3, 256), (2, 1024)])
 def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget):
     q = budget + 1
     lp, ids, budgets, bonus, prefix = round_inputs(bs + budget, bs, q)

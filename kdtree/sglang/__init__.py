@@ -106,7 +106,6 @@ class RoundBuilder:
                                    torch.empty(max_bs, q, q, dtype=torch.bool, device=dev))
         self._budgets = torch.empty(max_bs, dtype=torch.int32, device=dev)
         self._prefix32 = torch.empty(max_bs, dtype=torch.int32, device=dev)
-        self._slots = torch.arange(q, device=dev)
         self._trees = {}   # bs -> TreeBuildResult views of the first bs rows
 
     def _views(self, bs):
@@ -141,12 +140,10 @@ class RoundBuilder:
         trees = ops.tree_build(lp, top_token_ids, b, seq_lens=prefix, root_tokens=bonus, d_max=self.q,
                                out=self._views(bs))
         out = VerifyLayout(*(t[:bs] for t in self.layout))
-        valid = self._slots[None, :] <= trees.node_counts[:, None]                    # [bs, q]
-        torch.where(valid, trees.tokens, bonus[:, None], out=out.tree_tokens)
-        torch.where(valid, trees.positions, prefix[:, None].long(), out=out.positions)
-        out.retrieve_next_token.copy_(trees.next_token)
-        out.retrieve_next_sibling.copy_(trees.next_sibling)
-        torch.logical_and(trees.visibility, valid[:, :, None] & valid[:, None, :], out=out.visibility)
+        rc = lib().kd_sglang_round_layout(*(t.data_ptr() for t in (
+            trees.node_counts, trees.tokens, trees.positions, trees.next_token, trees.next_sibling, trees.visibility,
+            bonus, prefix)), bs, self.q, *(t.data_ptr() for t in out), ops._stream(self.device))
+        ops._check(rc, "RoundBuilder.build")
         return out
 
 
@@ -215,15 +212,9 @@ def accept(tree_tokens, retrieve_next_token, retrieve_next_sibling, target, out:
         ops._tensor("out.commit_lens", out[1], torch.int32, (bs,), dev)
         ops._tensor("out.next_token_ids", out[2], torch.int64, (bs, q), dev)
         out = AcceptOutput(*out)
-    out.accept_index.copy_(r.accept_index)                       # [bs, q]: -1 padded already
-    torch.add(r.accept_len, 1, out=out.commit_lens)
-    # accepted draft tokens in path order: slot (global - i * q) of accept_index[:, 1:]
-    local = (r.accept_index[:, 1:].long() - torch.arange(bs, device=dev)[:, None] * q).clamp(min=0)
-    path_tokens = torch.gather(toks, 1, local)
-    keep = torch.arange(q - 1, device=dev)[None, :] < r.accept_len[:, None]
-    out.next_token_ids.zero_()
-    out.next_token_ids[:, :q - 1].copy_(torch.where(keep, path_tokens, 0))
-    out.next_token_ids.scatter_(1, r.accept_len[:, None].long(), r.bonus[:, None])
+    rc = lib().kd_sglang_accept_outputs(*(t.data_ptr() for t in (r.accept_index, r.accept_len, r.bonus, toks)),
+                                        bs, q, *(t.data_ptr() for t in out), ops._stream(dev))
+    ops._check(rc, "accept")
     return out
 
 

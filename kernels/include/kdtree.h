@@ -111,6 +111,27 @@ int kd_verify_run(const kd_verify_plan* plan, const void* q, const void* kv_cach
 int kd_sglang_custom_mask(const uint8_t* visibility, const int64_t* prefix_lens, const int64_t* mask_indptr,
                           int bs, int q, int64_t capacity, uint8_t* mask, void* stream);
 
+// SGLang's padded verify layout (spec sglang.md, step 3) from kd_build_trees' outputs for
+// bs requests of q slots (d_max = q): node_counts i32 [bs]; tokens, positions, next_token,
+// next_sibling i64 [bs, q]; visibility u8 [bs, q, q] (dense); bonus_tokens i64 [bs];
+// prefix_lens i32 [bs]. Writes tree_tokens and tree_positions i64 [bs, q] (slots past
+// node_counts[b] take bonus_tokens[b] and prefix_lens[b]), retrieve_next_token and
+// retrieve_next_sibling i32 [bs, q], tree_visibility u8 [bs, q, q] (pad rows and columns 0).
+// bs <= 65535.
+int kd_sglang_round_layout(const int32_t* node_counts, const int64_t* tokens, const int64_t* positions,
+                           const int64_t* next_token, const int64_t* next_sibling, const uint8_t* visibility,
+                           const int64_t* bonus_tokens, const int32_t* prefix_lens, int bs, int q,
+                           int64_t* tree_tokens, int64_t* tree_positions, int32_t* retrieve_next_token,
+                           int32_t* retrieve_next_sibling, uint8_t* tree_visibility, void* stream);
+
+// SGLang's step-6 outputs (spec sglang.md) from kd_tree_accept's with max_depth = q - 1:
+// accept_index i32 [bs, q], accept_len i32 [bs], bonus i64 [bs], and the layout's
+// tree_tokens i64 [bs, q]. Writes accept_index_out i64 [bs, q], commit_lens i32 [bs]
+// (accept_len + 1) and next_token_ids i64 [bs, q] (the accepted tokens, the bonus, zeros).
+int kd_sglang_accept_outputs(const int32_t* accept_index, const int32_t* accept_len, const int64_t* bonus,
+                             const int64_t* tree_tokens, int bs, int q, int64_t* accept_index_out,
+                             int32_t* commit_lens, int64_t* next_token_ids, void* stream);
+
 #ifdef __cplusplus
 }
 #endif
