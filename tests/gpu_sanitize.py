@@ -5,7 +5,7 @@
 import numpy as np
 import torch
 
-from kdtree import ops
+from kdtree import ops, sglang
 from kdtree.harness.workloads import paged_case, stage_a_inputs
 
 
@@ -75,6 +75,14 @@ def main():
         for path, splits in (("auto", 1), ("auto", 2), ("auto", 3), ("wgmma_cp_async", 1)):
             ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
                             kernel=path, num_splits=splits)
+    # SGLang's round (D 41, ragged budgets, prefixes 0-200): the padded layout, the custom
+    # mask into a buffer sized for the largest prefix, the accept outputs.
+    rb = sglang.RoundBuilder(3, 40)
+    prefix = torch.tensor([0, 70, 200], device="cuda")
+    lay = rb.build(lp.cuda(), ids.cuda(), budgets, torch.tensor([5, 6, 7], device="cuda"), prefix)
+    mask = torch.empty(sglang.mask_size(3, 41, 200), dtype=torch.uint8, device="cuda")
+    sglang.custom_mask(lay.visibility, prefix, out=mask)
+    sglang.accept(lay.tree_tokens, lay.retrieve_next_token, lay.retrieve_next_sibling, target)
     torch.cuda.synchronize()
     print("sanitize run finished:", np.asarray(trees.node_counts.cpu()).tolist())
 
