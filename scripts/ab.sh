@@ -12,9 +12,10 @@
 # Environment: SWEEPS (default: tree-build tree-accept verify-attn), CFG_<SWEEP> (a sweep's
 # --cfg-json, e.g. CFG_VERIFY_ATTN), ROUNDS (2), TESTS (default: the GPU tests of the swept
 # kernels), ARCHS (sm_90a), JOBS (build jobs a side). Default grids take about 90 s a side
-# and round on an H200.
+# and round on an H200. Where the tree is a copy whose .git may lag its files (the device
+# tool's), name the commit the rows should record: new=.@<commit>.
 set -uo pipefail
-[ $# -ge 3 ] || { sed -n 2,15p "$0"; exit 2; }
+[ $# -ge 3 ] || { sed -n 2,16p "$0"; exit 2; }
 out=$(mkdir -p "$1" && realpath "$1"); shift
 sweeps=${SWEEPS:-tree-build tree-accept verify-attn}
 rounds=${ROUNDS:-2}
