@@ -113,9 +113,10 @@ KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   return t;
 }
 
-// True where a + b == s == fl(a + b) exactly: of s - a and s - b, the one that subtracts the
-// larger operand is exact (Fast2Sum), so both give back the other operand only then. Two
-// independent subtractions, not TwoSum's four dependent ones: it runs on warp 0's narrow chain.
+// For s = fl(a + b): true where the sum is exact (a + b == s). Of s - a and s - b, the one
+// that subtracts the larger operand is exact (Fast2Sum), so both give back the other operand
+// only then. Two independent subtractions, not TwoSum's four dependent ones: it runs on warp
+// 0's narrow chain.
 KD_HD bool exact_sum(double a, double b, double s) {
   return KD_DSUB(s, a) == b && KD_DSUB(s, b) == a;
 }
