@@ -2,7 +2,8 @@
 // one launch: request b's slots 0..n_b are the tree (n_b = node_counts[b]); the others take
 // the bonus token and the prefix length, the retrieve links are narrowed to i32 and the
 // visibility's pad rows and columns cleared. One warp a slot: its fields, then its q columns
-// (a row of bytes, written whole by the warp). It replaces nine small torch launches.
+// (a row of bytes, written whole by the warp). One launch, since in a CUDA graph each launch
+// costs more than this work (docs/sglang.md).
 #include "common.cuh"
 
 namespace kd {
