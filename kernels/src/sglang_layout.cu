@@ -44,7 +44,7 @@ extern "C" int kd_sglang_round_layout(const int32_t* node_counts, const int64_t*
                                       int32_t* retrieve_next_sibling, uint8_t* tree_visibility, void* stream) {
   if (bs < 0 || q < 1 || bs > 65535) return KD_ERR_ARGUMENT;
   if (bs == 0) return 0;
-  const dim3 grid((q + kd::LAYOUT_ROWS - 1) / kd::LAYOUT_ROWS, bs);
+  const dim3 grid(kd::ceil_div(q, kd::LAYOUT_ROWS), bs);
   kd::round_layout_kernel<<<grid, 32 * kd::LAYOUT_ROWS, 0, (cudaStream_t)stream>>>(
       node_counts, tokens, positions, next_token, next_sibling, visibility, bonus_tokens, prefix_lens, q, tree_tokens,
       tree_positions, retrieve_next_token, retrieve_next_sibling, tree_visibility);
