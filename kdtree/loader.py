@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 6  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 7  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
@@ -42,13 +42,13 @@ _ABI = {
     "kd_version": [],
     "kd_build_trees": [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P],
     "kd_build_set_smem_limit": [_I],
-    "kd_tree_accept": [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P],
+    "kd_tree_accept": [_P] * 3 + [_I, _P] + [_I] * 3 + [_P] * 3 + [_P],
     "kd_tree_accept_parents": [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P],
     "kd_verify_plan_make": [_I] * 7 + [ctypes.POINTER(KdVerifyPlan)],
     "kd_verify_run": [ctypes.POINTER(KdVerifyPlan), _P, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_float,
                       _P, _P, _P, _P, _P],
-    "kd_sglang_custom_mask": [_P, _P, _P, _I, _I, ctypes.c_int64, _P, _P],
-    "kd_sglang_round_layout": [_P] * 8 + [_I] * 2 + [_P] * 5 + [_P],
+    "kd_sglang_custom_mask": [_P, _P, _I, _I, _I, ctypes.c_int64, _P, _P, _P],
+    "kd_sglang_round_layout": [_P] * 8 + [_I] * 3 + [_P] * 5 + [_P],
     "kd_sglang_accept_outputs": [_P] * 4 + [_I] * 2 + [_P] * 3 + [_P],
 }
 

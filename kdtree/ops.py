@@ -268,8 +268,8 @@ def tree_accept(tokens, target, max_depth: int, *, parents=None, node_counts=Non
       own token against its parent's target at once, so the time does not grow with the
       siblings a walk passes over (D <= 4096). Nodes are slots ``1..n``; a slot outside
       them, or whose parent is not in ``[0, i)``, is not in the tree.
-    - ``next_token`` and ``next_sibling`` i64 ``[B, D]`` (left-child / right-sibling lists,
-      SGLang's ``verify_tree_greedy`` inputs): a walk, any D.
+    - ``next_token`` and ``next_sibling`` ``[B, D]``, both i64 or both i32 (left-child /
+      right-sibling lists, SGLang's ``verify_tree_greedy`` inputs): a walk, any D.
     Both give the same result on the build's trees. ``max_depth``: the draft length L.
     """
     by_parents = parents is not None and node_counts is not None
@@ -301,10 +301,14 @@ def tree_accept(tokens, target, max_depth: int, *, parents=None, node_counts=Non
         rc = lib().kd_tree_accept_parents(_ptr(c), _ptr(parents), _ptr(node_counts), _ptr(target), B, D,
                                           max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]), _stream(dev))
     else:
-        _tensor("next_token", next_token, torch.int64, (B, D), dev)
-        _tensor("next_sibling", next_sibling, torch.int64, (B, D), dev)
-        rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), _ptr(target), B, D,
-                                  max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]), _stream(dev))
+        link = next_token.dtype if isinstance(next_token, torch.Tensor) else None
+        if link is not torch.int32:
+            link = torch.int64   # the message for anything else names int64, the build's
+        _tensor("next_token", next_token, link, (B, D), dev)
+        _tensor("next_sibling", next_sibling, link, (B, D), dev)
+        rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), int(link is torch.int64),
+                                  _ptr(target), B, D, max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]),
+                                  _stream(dev))
     _check(rc, "tree_accept")
     return out
 

@@ -325,16 +325,18 @@ def random_lcrs(rng, B, D, V):
     return cand, nt, ns
 
 
+@pytest.mark.parametrize("links", [torch.int64, torch.int32])
 @pytest.mark.parametrize("B,D,max_depth", [(3, 5000, 40), (5, 300, 0), (9, 300, 70)])
-def test_tree_accept_wide_rows_and_depth_limits(ops, B, D, max_depth):
-    """D = 5000 walks global memory (too wide to stage); max_depth 0 and > 32 fill the tail."""
+def test_tree_accept_wide_rows_and_depth_limits(ops, B, D, max_depth, links):
+    """D = 5000 walks global memory (too wide to stage); max_depth 0 and > 32 fill the tail;
+    the lists as i64 (the build's) or i32 (SGLang's)."""
     rng = np.random.default_rng(D + max_depth)
     V = 3
     cand, nt, ns = random_lcrs(rng, B, D, V)
     target = rng.integers(0, V, size=(B, D))
     want = greedy_accept_batch(cand, nt, ns, target, max_depth)
     t = lambda a: torch.as_tensor(a).to(DEV)
-    got = ops.tree_accept(t(cand), t(target), max_depth, next_token=t(nt), next_sibling=t(ns))
+    got = ops.tree_accept(t(cand), t(target), max_depth, next_token=t(nt).to(links), next_sibling=t(ns).to(links))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     assert max_depth == 0 or want[1].max() >= 2
@@ -369,8 +371,9 @@ def capped_walk(cand, nt, ns, target, max_depth, steps_out=None):
 
 @pytest.mark.parametrize("corruption", ["cycle", "two_preds", "root_link", "child_and_sibling",
                                         "out_of_range", "none"])
+@pytest.mark.parametrize("links", [torch.int64, torch.int32])
 @pytest.mark.parametrize("D", [50, 200, 2500])
-def test_tree_accept_on_trees_and_corrupt_lists(ops, corruption, D):
+def test_tree_accept_on_trees_and_corrupt_lists(ops, corruption, D, links):
     """Both staged paths (D 50: a warp per request; 200 and 2500: a CTA, 2500 close to the
     shared-memory limit): the walk equals the reference on trees (duplicate tokens among
     siblings: the first in list order wins) and the capped walk on lists that are not a
@@ -404,7 +407,7 @@ def test_tree_accept_on_trees_and_corrupt_lists(ops, corruption, D):
             nt[b, int(rng.integers(1, D))] = -5
     want = capped_walk(cand, nt, ns, target, 15)
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a, dtype=np.int64)).to(DEV)
-    got = ops.tree_accept(t(cand), t(target), 15, next_token=t(nt), next_sibling=t(ns))
+    got = ops.tree_accept(t(cand), t(target), 15, next_token=t(nt).to(links), next_sibling=t(ns).to(links))
     for g, w in zip(got, want):
         assert np.array_equal(g.cpu().numpy(), w)
     if valid_want is not None:
@@ -584,6 +587,11 @@ def test_tree_accept_parents_errors_name_the_argument(ops):
     wide = torch.zeros(1, 4097, dtype=torch.int64, device=DEV)
     with pytest.raises(InputError, match="tokens: expected at most 4096 slots"):
         ops.tree_accept(wide, wide, 15, parents=wide.int(), node_counts=n[:1])
+    # the lists' two tensors share one dtype, int64 or int32
+    with pytest.raises(InputError, match="next_sibling: expected dtype torch.int32, got torch.int64"):
+        ops.tree_accept(cand, cand, 15, next_token=par, next_sibling=cand)
+    with pytest.raises(InputError, match="next_token: expected dtype torch.int64, got torch.int16"):
+        ops.tree_accept(cand, cand, 15, next_token=par.short(), next_sibling=cand)
 
 
 # ---------------------------------------------------------------- attention

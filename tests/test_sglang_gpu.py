@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kdtree import sglang
+from kdtree.checks import InputError
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.harness.timing import capture_graph
 from kdtree.harness.workloads import stage_a_inputs
@@ -47,15 +48,17 @@ def cpu_round(lp, ids, budgets, bonus, prefix, q, target=None):
     return trees, layout
 
 
-@pytest.mark.parametrize("bs,budget", [(1, 16), (7, 64), (64, 64), (3, 256), (2, 1024)])
-def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget):
+@pytest.mark.parametrize("bs,budget,lens", [(1, 16, torch.int64), (7, 64, torch.int32), (64, 64, torch.int64),
+                                             (3, 256, torch.int32), (2, 1024, torch.int64)])
+def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget, lens):
+    """Budgets and prefix lengths as int32 or int64 tensors (read as given, or copied)."""
     q = budget + 1
     lp, ids, budgets, bonus, prefix = round_inputs(bs + budget, bs, q)
     rb = sglang.RoundBuilder(bs + 2, budget, DEV)
     for t in rb.layout:   # poisoned static buffers
         t.view(torch.uint8).fill_(0x5A)
-    t = lambda a, dt=torch.int64: torch.as_tensor(np.asarray(a), dtype=dt, device=DEV)
-    got = rb.build(lp.to(DEV), ids.to(DEV), t(budgets, torch.int32), t(bonus), t(prefix))
+    t = lambda a, dt=lens: torch.as_tensor(np.asarray(a), dtype=dt, device=DEV)
+    got = rb.build(lp.to(DEV), ids.to(DEV), t(budgets), t(bonus, torch.int64), t(prefix))
     trees, want = cpu_round(lp, ids, budgets, bonus, prefix, q)
     for g, w in zip(got, want):
         assert g.dtype == {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
@@ -83,10 +86,43 @@ def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget):
     out = sglang.AcceptOutput(torch.full((bs, q), 99, dtype=torch.int64, device=DEV),
                               torch.full((bs,), 99, dtype=torch.int32, device=DEV),
                               torch.full((bs, q), 99, dtype=torch.int64, device=DEV))
-    g_acc = sglang.accept(got.tree_tokens, got.retrieve_next_token, got.retrieve_next_sibling, t(target), out=out)
+    g_acc = sglang.accept(got.tree_tokens, got.retrieve_next_token, got.retrieve_next_sibling,
+                          t(target, torch.int64), out=out)
     for g, w in zip(g_acc, w_acc):
         assert np.array_equal(g.cpu().numpy(), w)
     assert w_acc[1].max() >= 2
+    # the links widened to i64 (the build's own form) give the same
+    g64 = sglang.accept(got.tree_tokens, got.retrieve_next_token.long(), got.retrieve_next_sibling.long(),
+                        t(target, torch.int64))
+    for g, w in zip(g64, w_acc):
+        assert np.array_equal(g.cpu().numpy(), w)
+
+
+@pytest.mark.parametrize("warmup", [0, 1])
+def test_int_budgets_hold_in_graphs_and_eager_calls(warmup):
+    """One int budget for the batch (the worker's server argument): a graph captured with it
+    (its first use inside the capture, or after an eager call) keeps building with it after
+    eager calls with other ints."""
+    bs, budget = 4, 32
+    q = budget + 1
+    rb = sglang.RoundBuilder(bs, budget, DEV)
+    lp, ids, _, bonus, prefix = round_inputs(9, bs, q)
+    d = dict(lp=lp.to(DEV), ids=ids.to(DEV), bonus=torch.as_tensor(bonus, device=DEV),
+             prefix=torch.as_tensor(prefix, device=DEV))
+    graph, lay = capture_graph(lambda: rb.build(d["lp"], d["ids"], budget, d["bonus"], d["prefix"]), warmup=warmup)
+
+    def check(k):
+        _, want = cpu_round(lp, ids, np.full(bs, k), bonus, prefix, q)
+        for g, w in zip(lay, want):
+            assert np.array_equal(g.cpu().numpy(), w), k
+    for k in (5, 0, budget, 1):
+        for t in rb.layout:
+            t.view(torch.uint8).fill_(0x5A)
+        got = rb.build(d["lp"], d["ids"], k, d["bonus"], d["prefix"])
+        assert got[0].data_ptr() == lay[0].data_ptr()
+        check(k)
+        graph.replay()
+        check(budget)
 
 
 @pytest.mark.parametrize("kernel", ["auto", "mma_sync"])
@@ -123,6 +159,14 @@ def test_verify_attention_on_sglang_metadata(kernel):
     o = out.view(bs, q, H, 512).double().cpu()
     assert (o - ref_o).norm() / ref_o.norm() <= 5e-3
     assert (lse.view(bs, q, H).double().cpu() - ref_l).abs().max() <= 1e-3
+    # prepare once a forward (here from int64 metadata), then layers run on it
+    out.fill_(float("nan"))
+    va.prepare(rows.long().to(DEV), prefix.long().to(DEV))
+    out2, lse2 = va.run(qx.to(DEV), kv.to(DEV), req_to_token.to(DEV), None, None, vis.to(DEV), SCALE, out=(out, lse))
+    assert torch.equal(out2.view(bs, q, H, 512).double().cpu(), o) and out2.data_ptr() == out.data_ptr()
+    fresh = sglang.VerifyAttention(bs, q, H, max_seq_len=3000, device=DEV, kernel=kernel)
+    with pytest.raises(InputError, match="None before any prepare"):
+        fresh.run(qx.to(DEV), kv.to(DEV), req_to_token.to(DEV), None, None, vis.to(DEV), SCALE)
 
 
 def test_whole_round_is_captured_in_one_cuda_graph():

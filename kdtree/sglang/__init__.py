@@ -87,7 +87,8 @@ class AcceptOutput(NamedTuple):
 class RoundBuilder:
     """The batched round's static buffers for up to ``max_bs`` requests and verify width
     ``q = 1 + budget`` on ``device``: ``build`` writes the padded verify layout (and keeps the
-    build's own outputs, e.g. ``trees.visibility_bits`` for kdtree's verify attention).
+    build's own outputs, e.g. ``trees.visibility_bits`` for kdtree's verify attention; the
+    build runs without the prefix, so ``trees.positions`` are the depths).
     Every call launches on the current stream and never synchronises the host; the same
     buffers are returned each time (what a captured graph replays)."""
 
@@ -104,8 +105,8 @@ class RoundBuilder:
                                    torch.empty(max_bs, q, dtype=torch.int32, device=dev),
                                    torch.empty(max_bs, q, dtype=torch.int32, device=dev),
                                    torch.empty(max_bs, q, q, dtype=torch.bool, device=dev))
-        self._budgets = torch.empty(max_bs, dtype=torch.int32, device=dev)
-        self._prefix32 = torch.empty(max_bs, dtype=torch.int32, device=dev)
+        self._budgets = torch.empty(max_bs, dtype=torch.int32, device=dev)   # int64 budgets' copy
+        self._filled = {}   # int -> an i32 [max_bs] buffer holding it, never rewritten
         self._trees = {}   # bs -> TreeBuildResult views of the first bs rows
 
     def _views(self, bs):
@@ -116,42 +117,54 @@ class RoundBuilder:
                 t.visibility_bits, t.visibility, t.status)))
         return self._trees[bs]
 
+    def _budget_tensor(self, budgets, bs):
+        """The build's i32 budgets: an int32 tensor as given; an int64 tensor copied; one int
+        read from a buffer filled with it on its first use, so later calls (and a graph that
+        captured one) launch nothing for it, and no other call rewrites what a graph reads."""
+        if isinstance(budgets, int) and not isinstance(budgets, bool):
+            if not 0 <= budgets <= self.q - 1:
+                raise InputError(f"budgets: expected 0..{self.q - 1} (q - 1), got {budgets}")
+            filled = self._filled.get(budgets)
+            if filled is None:
+                filled = torch.full((self.max_bs,), budgets, dtype=torch.int32, device=self.device)
+                if not torch.cuda.is_current_stream_capturing():   # a captured fill runs only on replay
+                    self._filled[budgets] = filled
+            return filled[:bs]
+        budgets = _lens("budgets", budgets, bs, self.device)
+        if budgets.dtype is torch.int32:
+            return budgets
+        return self._budgets[:bs].copy_(budgets)   # a budget past q - 1 is cut to q - 1 (status bit)
+
     def build(self, top_log_probs, top_token_ids, budgets, bonus_tokens, prefix_lens) -> VerifyLayout:
         """``top_log_probs f32 [bs, L, k]``, ``top_token_ids i64 [bs, L, k]`` (rows sorted
-        descending, k >= the largest budget), ``budgets`` (int [bs] tensor, each <= q - 1, or
-        one int), ``bonus_tokens i64 [bs]`` (last round's bonus: each tree's root),
-        ``prefix_lens`` (int [bs]). Returns views of the first bs rows of the layout."""
+        descending, k >= the largest budget), ``budgets`` (int32 or int64 [bs] tensor, each
+        <= q - 1, or one int), ``bonus_tokens i64 [bs]`` (last round's bonus: each tree's
+        root), ``prefix_lens`` (int32 or int64 [bs]). Returns views of the first bs rows of
+        the layout. Two launches (the build and the layout), three with int64 budgets."""
         lp = ops._tensor("top_log_probs", top_log_probs, torch.float32, (None, None, None), self.device)
         bs = lp.shape[0]
         if not 1 <= bs <= self.max_bs:
             raise InputError(f"top_log_probs: expected 1..{self.max_bs} requests (max_bs), got {bs}")
-        b = self._budgets[:bs]
-        if isinstance(budgets, int) and not isinstance(budgets, bool):
-            if not 0 <= budgets <= self.q - 1:
-                raise InputError(f"budgets: expected 0..{self.q - 1} (q - 1), got {budgets}")
-            b.fill_(budgets)
-        else:
-            _int_tensor("budgets", budgets, bs, self.device)
-            b.copy_(budgets)   # a budget past q - 1 is cut to q - 1 (status bit), never overflows
+        b = self._budget_tensor(budgets, bs)
         bonus = ops._tensor("bonus_tokens", bonus_tokens, torch.int64, (bs,), self.device)
-        _int_tensor("prefix_lens", prefix_lens, bs, self.device)
-        prefix = self._prefix32[:bs]
-        prefix.copy_(prefix_lens)
-        trees = ops.tree_build(lp, top_token_ids, b, seq_lens=prefix, root_tokens=bonus, d_max=self.q,
-                               out=self._views(bs))
+        prefix = _lens("prefix_lens", prefix_lens, bs, self.device)
+        trees = ops.tree_build(lp, top_token_ids, b, root_tokens=bonus, d_max=self.q, out=self._views(bs))
         out = VerifyLayout(*(t[:bs] for t in self.layout))
         rc = lib().kd_sglang_round_layout(*(t.data_ptr() for t in (
-            trees.node_counts, trees.tokens, trees.positions, trees.next_token, trees.next_sibling, trees.visibility,
-            bonus, prefix)), bs, self.q, *(t.data_ptr() for t in out), ops._stream(self.device))
+            trees.node_counts, trees.tokens, trees.depths, trees.next_token, trees.next_sibling, trees.visibility,
+            bonus, prefix)), int(prefix.dtype is torch.int64), bs, self.q, *(t.data_ptr() for t in out),
+            ops._stream(self.device))
         ops._check(rc, "RoundBuilder.build")
         return out
 
 
-def _int_tensor(name, t, n, dev):
+def _lens(name, t, n, dev):
+    """An int32 or int64 ``[n]`` tensor on dev, contiguous (a strided view is copied)."""
     if not isinstance(t, torch.Tensor) or t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) \
             or t.device != dev:
         got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise InputError(f"{name}: expected an int32 or int64 [{n}] tensor on {dev}, got {got}")
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def mask_size(bs: int, q: int, max_prefix_len: int) -> int:
@@ -163,35 +176,36 @@ def custom_mask(visibility, prefix_lens, out=None, mask_indptr=None):
     """Step 4 on the GPU: ``(mask, mask_indptr)``, the mask as bytes (bool, or uint8 for the
     Triton backend's graph path: pass such an ``out``) concatenated over requests, and
     ``mask_indptr i64 [bs + 1]``. ``visibility bool [bs, q, q]`` (the layout's),
-    ``prefix_lens`` int [bs]. ``out`` (bool or uint8, 1-D) must hold ``mask_size(bs, q,
-    max prefix)`` bytes; the blocks are packed at the front. Without ``out`` the size is read
-    from the device (a sync)."""
+    ``prefix_lens`` int32 or int64 [bs]. ``out`` (bool or uint8, 1-D) must hold
+    ``mask_size(bs, q, max prefix)`` bytes; the blocks are packed at the front. One launch
+    (it writes mask_indptr too). Without ``out`` the size is read from the device (a sync)."""
     vis = ops._tensor("visibility", visibility, torch.bool, (None, None, None))
     bs, q, q2 = vis.shape
     if q2 != q:
         raise InputError(f"visibility: expected [bs, q, q], got {tuple(vis.shape)}")
     dev = vis.device
-    _int_tensor("prefix_lens", prefix_lens, bs, dev)
-    prefix = prefix_lens.long()
+    prefix = _lens("prefix_lens", prefix_lens, bs, dev)
     if mask_indptr is None:
         mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev)
     ops._tensor("mask_indptr", mask_indptr, torch.int64, (bs + 1,), dev)
-    mask_indptr[:1].zero_()
-    torch.cumsum(q * (prefix.clamp(min=0) + q), 0, out=mask_indptr[1:])
     if out is None:
-        out = torch.empty(int(mask_indptr[-1]), dtype=torch.bool, device=dev)   # sync, documented
+        out = torch.empty(q * int((prefix.clamp(min=0) + q).sum()), dtype=torch.bool, device=dev)   # sync
     if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bool, torch.uint8) or out.dim() != 1 \
             or out.device != dev or not out.is_contiguous():
         raise InputError(f"out: expected a contiguous 1-D bool or uint8 tensor on {dev}")
-    rc = lib().kd_sglang_custom_mask(vis.data_ptr(), prefix.data_ptr(), mask_indptr.data_ptr(), bs, q,
-                                     out.numel(), out.data_ptr(), ops._stream(dev))
+    if bs == 0:
+        mask_indptr.zero_()
+        return out, mask_indptr
+    rc = lib().kd_sglang_custom_mask(vis.data_ptr(), prefix.data_ptr(), int(prefix.dtype is torch.int64), bs, q,
+                                     out.numel(), out.data_ptr(), mask_indptr.data_ptr(), ops._stream(dev))
     ops._check(rc, "custom_mask")
     return out, mask_indptr
 
 
 def accept(tree_tokens, retrieve_next_token, retrieve_next_sibling, target, out: AcceptOutput | None = None):
     """Step 6 on the GPU from the target's argmax ``target i64 [bs, q]`` and the retrieve
-    links (i32 or i64 [bs, q]): an AcceptOutput, into ``out`` when given. No host sync."""
+    links (both i32, as the layout's, or both i64 [bs, q]): an AcceptOutput, into ``out``
+    when given. Two launches (the walk, the outputs); no host sync."""
     toks = ops._tensor("tree_tokens", tree_tokens, torch.int64, (None, None))
     bs, q = toks.shape
     dev = toks.device
@@ -199,7 +213,9 @@ def accept(tree_tokens, retrieve_next_token, retrieve_next_sibling, target, out:
     for name, t in (("retrieve_next_token", retrieve_next_token), ("retrieve_next_sibling", retrieve_next_sibling)):
         if not isinstance(t, torch.Tensor) or t.shape != (bs, q) or t.dtype not in (torch.int32, torch.int64):
             raise InputError(f"{name}: expected an int32 or int64 [{bs}, {q}] tensor")
-        links.append(t.long())
+        links.append(t.contiguous())
+    if links[0].dtype != links[1].dtype:
+        links = [t.long() for t in links]
     r = ops.tree_accept(toks, target, q - 1, next_token=links[0], next_sibling=links[1])
     if out is None:
         out = AcceptOutput(torch.empty(bs, q, dtype=torch.int64, device=dev),
@@ -222,7 +238,8 @@ class VerifyAttention:
     """Tree-verify attention planned on SGLang's KV metadata for ``bs`` requests of ``q``
     slots and ``num_heads`` heads whose sequences (prefix + q) stay within ``max_seq_len``.
     The pool is token-indexed (``kv_buffer [slots, 1, 576]``: page size 1, SGLang's DDTree
-    default; a page-64 pool is read the same way, through its token slots)."""
+    default; a page-64 pool is read the same way, through its token slots). A forward calls
+    ``prepare`` once (the requests' rows and lengths) and ``run`` for each layer."""
 
     def __init__(self, bs: int, q: int, num_heads: int, max_seq_len: int, device="cuda", kernel: str = "auto"):
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < q:
@@ -230,25 +247,37 @@ class VerifyAttention:
         self.plan = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel)
         self.bs, self.q, self.num_heads, self.max_seq_len = bs, q, num_heads, max_seq_len
         self._seq = torch.empty(bs, dtype=torch.int32, device=self.plan.device)
+        self._rows_copy = torch.empty(bs, dtype=torch.int32, device=self.plan.device)
+        self._rows = None   # prepare's: req_pool_indices as int32
+
+    def prepare(self, req_pool_indices, prefix_lens) -> None:
+        """The forward's metadata, for every layer's ``run``: ``req_pool_indices`` and
+        ``prefix_lens`` int32 or int64 [bs] (the q verify slots' KV is at columns prefix ..
+        prefix + q - 1 of req_to_token's row). One launch, two with int64 indices; no sync."""
+        dev = self.plan.device
+        rows = _lens("req_pool_indices", req_pool_indices, self.bs, dev)
+        prefix = _lens("prefix_lens", prefix_lens, self.bs, dev)
+        torch.add(prefix, self.q, out=self._seq)
+        self._rows = rows if rows.dtype is torch.int32 else self._rows_copy.copy_(rows)
 
     def run(self, q, kv_buffer, req_to_token, req_pool_indices, prefix_lens, visibility, scale: float, out=None):
         """``q bf16 [bs * q, H, 576]``, ``kv_buffer bf16 [slots, 1, 576]`` (or ``[slots, 576]``),
         ``req_to_token i32 [max_reqs, max_context]`` (max_context >= max_seq_len),
-        ``req_pool_indices`` int [bs], ``prefix_lens`` int [bs] (the q verify slots' KV is at
-        columns prefix .. prefix + q - 1), ``visibility`` the layout's bool ``[bs, q, q]`` or
-        the build's bits. Returns ``(out bf16 [bs * q, H, 512], lse f32 [bs * q, H])``."""
-        dev = self.plan.device
-        _int_tensor("req_pool_indices", req_pool_indices, self.bs, dev)
-        _int_tensor("prefix_lens", prefix_lens, self.bs, dev)
-        rows = req_pool_indices if req_pool_indices.dtype == torch.int32 else req_pool_indices.int()
-        self._seq.copy_(prefix_lens)
-        self._seq.add_(self.q)
+        ``req_pool_indices`` and ``prefix_lens`` as ``prepare`` takes them, or both None for
+        the last ``prepare``'s (a layer after the first: no launch of its own), ``visibility``
+        the layout's bool ``[bs, q, q]`` or the build's bits. Returns ``(out bf16 [bs * q, H,
+        512], lse f32 [bs * q, H])``."""
+        if req_pool_indices is not None or prefix_lens is not None:
+            self.prepare(req_pool_indices, prefix_lens)
+        elif self._rows is None:
+            raise InputError("req_pool_indices, prefix_lens: None before any prepare(); call prepare() once a "
+                             "forward, or pass them")
         if isinstance(kv_buffer, torch.Tensor) and kv_buffer.dim() == 2:
             kv_buffer = kv_buffer[:, None]
         if not isinstance(req_to_token, torch.Tensor) or req_to_token.dim() != 2 or \
                 req_to_token.shape[1] < self.max_seq_len:
             raise InputError(f"req_to_token: expected an int32 [max_reqs, >= {self.max_seq_len}] tensor")
-        return self.plan.run(q, kv_buffer, req_to_token, self._seq, visibility, scale, req_rows=rows, out=out)
+        return self.plan.run(q, kv_buffer, req_to_token, self._seq, visibility, scale, req_rows=self._rows, out=out)
 
 
 patch_from_env()

@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 6
+#define KD_ABI_VERSION 7
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
@@ -41,13 +41,13 @@ int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* b
 // large GPU runs the paths a smaller one takes; returns the previous cap. For tests.
 int kd_build_set_smem_limit(int bytes);
 
-// Greedy accept (spec ddtree.md section 5). candidates/next_token/next_sibling/target
-// i64 [B, D]; accept_index i32 [B, max_depth+1] (global slot ids b*D+i, -1 padded),
-// accept_len i32 [B] (root excluded), bonus i64 [B].
-int kd_tree_accept(const int64_t* candidates, const int64_t* next_token,
-                   const int64_t* next_sibling, const int64_t* target, int B, int D,
-                   int max_depth, int32_t* accept_index, int32_t* accept_len, int64_t* bonus,
-                   void* stream);
+// Greedy accept (spec ddtree.md section 5). candidates/target i64 [B, D]; next_token and
+// next_sibling [B, D], i64 (links_i64 = 1) or i32 (links_i64 = 0, SGLang's retrieve links);
+// accept_index i32 [B, max_depth+1] (global slot ids b*D+i, -1 padded), accept_len i32 [B]
+// (root excluded), bonus i64 [B].
+int kd_tree_accept(const int64_t* candidates, const void* next_token, const void* next_sibling,
+                   int links_i64, const int64_t* target, int B, int D, int max_depth,
+                   int32_t* accept_index, int32_t* accept_len, int64_t* bonus, void* stream);
 
 // Greedy accept from parent indices: the same outputs as kd_tree_accept on a tree whose
 // lists give each node's children in ascending slot order (the build's). parents i32
@@ -105,22 +105,24 @@ int kd_verify_run(const kd_verify_plan* plan, const void* q, const void* kv_cach
 
 // SGLang's custom tree mask (spec sglang.md, step 4): per request b a row-major block of
 // bytes [q, P_b + q] at mask + mask_indptr[b], its P_b prefix columns 1 and then the padded
-// visibility u8 [bs, q, q] (pad rows and columns 0). prefix_lens and mask_indptr i64 (bs and
-// bs + 1 entries, mask_indptr[b+1] - mask_indptr[b] = q (P_b + q)); a block that would
-// end past `capacity` bytes is left unwritten. bs <= 65535.
-int kd_sglang_custom_mask(const uint8_t* visibility, const int64_t* prefix_lens, const int64_t* mask_indptr,
-                          int bs, int q, int64_t capacity, uint8_t* mask, void* stream);
+// visibility u8 [bs, q, q] (pad rows and columns 0). prefix_lens [bs], i64 (prefix_i64 = 1)
+// or i32 (0); a negative length counts as 0. Writes mask_indptr i64 [bs + 1] (0, then the
+// running sum of q (P_b + q)); a block that would end past `capacity` bytes is left
+// unwritten. bs <= 65535.
+int kd_sglang_custom_mask(const uint8_t* visibility, const void* prefix_lens, int prefix_i64, int bs, int q,
+                          int64_t capacity, uint8_t* mask, int64_t* mask_indptr, void* stream);
 
 // SGLang's padded verify layout (spec sglang.md, step 3) from kd_build_trees' outputs for
-// bs requests of q slots (d_max = q): node_counts i32 [bs]; tokens, positions, next_token,
+// bs requests of q slots (d_max = q): node_counts i32 [bs]; tokens, depths, next_token,
 // next_sibling i64 [bs, q]; visibility u8 [bs, q, q] (dense); bonus_tokens i64 [bs];
-// prefix_lens i32 [bs]. Writes tree_tokens and tree_positions i64 [bs, q] (slots past
-// node_counts[b] take bonus_tokens[b] and prefix_lens[b]), retrieve_next_token and
+// prefix_lens [bs], i64 (prefix_i64 = 1) or i32 (0). Writes tree_tokens i64 [bs, q] (slots
+// past node_counts[b] take bonus_tokens[b]), tree_positions i64 [bs, q] (prefix_lens[b] +
+// depth; the prefix length alone past node_counts[b]), retrieve_next_token and
 // retrieve_next_sibling i32 [bs, q], tree_visibility u8 [bs, q, q] (pad rows and columns 0).
 // bs <= 65535.
-int kd_sglang_round_layout(const int32_t* node_counts, const int64_t* tokens, const int64_t* positions,
+int kd_sglang_round_layout(const int32_t* node_counts, const int64_t* tokens, const int64_t* depths,
                            const int64_t* next_token, const int64_t* next_sibling, const uint8_t* visibility,
-                           const int64_t* bonus_tokens, const int32_t* prefix_lens, int bs, int q,
+                           const int64_t* bonus_tokens, const void* prefix_lens, int prefix_i64, int bs, int q,
                            int64_t* tree_tokens, int64_t* tree_positions, int32_t* retrieve_next_token,
                            int32_t* retrieve_next_sibling, uint8_t* tree_visibility, void* stream);
 

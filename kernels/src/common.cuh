@@ -70,6 +70,12 @@ cudaError_t configure_once(int smem_bound, int carveout = -1) {
 
 __host__ __device__ inline int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
+// Entry i of a length array that comes as i64 or i32 (SGLang keeps both kinds), read as given:
+// a narrowing copy would be a launch of its own.
+__device__ __forceinline__ int64_t load_len(const void* lens, bool i64, int i) {
+  return i64 ? static_cast<const int64_t*>(lens)[i] : (int64_t) static_cast<const int32_t*>(lens)[i];
+}
+
 // x / s for 0 <= x < 2^20 and 1 <= s < 2^20, exact: a float quotient, then one correction
 // each way (a few instructions; the integer division is a ~20-instruction sequence, and
 // in the tree build's once-run code each instruction is also a fetch).

@@ -1,5 +1,7 @@
 // Greedy tree accept (spec ddtree.md section 5), walking the left-child / right-sibling
-// lists from the root as SGLang's verify_tree_greedy does.
+// lists from the root as SGLang's verify_tree_greedy does. The lists come as i64 (the
+// build's) or i32 (SGLang's retrieve links), read as given: a widening copy would be a
+// launch of its own.
 //
 // The walk is a chain of dependent loads, so its cost is their latency: the batch's time
 // is a fixed part plus ~70-100 cycles for each slot its longest walk tests. A group of
@@ -85,10 +87,11 @@ __device__ __forceinline__ int walk(At at, int32_t none, SlotOf slot_of, int D, 
 }
 
 // GROUP threads per request: 32 (a warp; ACCEPT_WARPS requests a CTA) or ACCEPT_THREADS.
-template <bool STAGED, int GROUP>
+// Link: the lists' element type, int64_t or int32_t.
+template <bool STAGED, int GROUP, class Link>
 __global__ void __launch_bounds__(ACCEPT_THREADS)
-tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __restrict__ next_token,
-                   const int64_t* __restrict__ next_sibling, const int64_t* __restrict__ target,
+tree_accept_kernel(const int64_t* __restrict__ candidates, const Link* __restrict__ next_token,
+                   const Link* __restrict__ next_sibling, const int64_t* __restrict__ target,
                    int B, int D, int max_depth, int32_t* __restrict__ accept_index,
                    int32_t* __restrict__ accept_len, int64_t* __restrict__ bonus) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -111,7 +114,8 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
       return i < 0 ? none : i * (int32_t)sizeof(Slot);
     };
     for (int base = 0; base < D; base += COPY_SLOTS * GROUP) {
-      int64_t c[COPY_SLOTS], t[COPY_SLOTS], n[COPY_SLOTS], x[COPY_SLOTS];
+      int64_t c[COPY_SLOTS], t[COPY_SLOTS];
+      Link n[COPY_SLOTS], x[COPY_SLOTS];
 #pragma unroll
       for (int u = 0; u < COPY_SLOTS; ++u) {
         const int i = base + u * GROUP + lane;
@@ -152,13 +156,13 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const int64_t* __rest
   }
 }
 
-template <bool STAGED, int GROUP>
-int launch_accept(const int64_t* candidates, const int64_t* next_token, const int64_t* next_sibling,
+template <bool STAGED, int GROUP, class Link>
+int launch_accept(const int64_t* candidates, const Link* next_token, const Link* next_sibling,
                   const int64_t* target, int B, int D, int max_depth, int32_t* accept_index,
                   int32_t* accept_len, int64_t* bonus, cudaStream_t st) {
   constexpr int per_cta = ACCEPT_THREADS / GROUP;
   const size_t smem = STAGED ? per_cta * accept_row_bytes(D) : 0;
-  constexpr auto kernel = tree_accept_kernel<STAGED, GROUP>;
+  constexpr auto kernel = tree_accept_kernel<STAGED, GROUP, Link>;
   if (smem > 48 * 1024) {  // opt in above the default limit, to the bound of every staged row
     const cudaError_t e = configure_once<kernel>((int)ACCEPT_SMEM_MAX);
     if (e != cudaSuccess) return (int)e;
@@ -169,21 +173,34 @@ int launch_accept(const int64_t* candidates, const int64_t* next_token, const in
   return 0;
 }
 
-}  // namespace
-}  // namespace kd
-
-extern "C" int kd_tree_accept(const int64_t* candidates, const int64_t* next_token,
-                              const int64_t* next_sibling, const int64_t* target, int B, int D,
-                              int max_depth, int32_t* accept_index, int32_t* accept_len,
-                              int64_t* bonus, void* stream) {
-  using namespace kd;
-  if (B < 0 || D < 1 || max_depth < 0) return KD_ERR_ARGUMENT;
-  if (B == 0) return 0;
-  cudaStream_t st = (cudaStream_t)stream;
+// The launch by row width: a warp a request for small trees, a CTA for wider staged rows,
+// global memory past shared memory.
+template <class Link>
+int accept_by_width(const int64_t* candidates, const Link* next_token, const Link* next_sibling,
+                    const int64_t* target, int B, int D, int max_depth, int32_t* accept_index,
+                    int32_t* accept_len, int64_t* bonus, cudaStream_t st) {
 #define KD_ACCEPT_ARGS candidates, next_token, next_sibling, target, B, D, max_depth, accept_index, \
                        accept_len, bonus, st
-  if (D <= 64) return launch_accept<true, 32>(KD_ACCEPT_ARGS);  // a warp a request
+  if (D <= 64) return launch_accept<true, 32>(KD_ACCEPT_ARGS);
   if (accept_row_bytes(D) <= ACCEPT_SMEM_MAX) return launch_accept<true, ACCEPT_THREADS>(KD_ACCEPT_ARGS);
   return launch_accept<false, 32>(KD_ACCEPT_ARGS);  // rows too wide to stage (D > ~3000)
 #undef KD_ACCEPT_ARGS
+}
+
+}  // namespace
+}  // namespace kd
+
+extern "C" int kd_tree_accept(const int64_t* candidates, const void* next_token, const void* next_sibling,
+                              int links_i64, const int64_t* target, int B, int D, int max_depth,
+                              int32_t* accept_index, int32_t* accept_len, int64_t* bonus, void* stream) {
+  using namespace kd;
+  if (B < 0 || D < 1 || max_depth < 0 || (links_i64 != 0 && links_i64 != 1)) return KD_ERR_ARGUMENT;
+  if (B == 0) return 0;
+  cudaStream_t st = (cudaStream_t)stream;
+  if (links_i64)
+    return accept_by_width(candidates, static_cast<const int64_t*>(next_token),
+                           static_cast<const int64_t*>(next_sibling), target, B, D, max_depth, accept_index,
+                           accept_len, bonus, st);
+  return accept_by_width(candidates, static_cast<const int32_t*>(next_token), static_cast<const int32_t*>(next_sibling),
+                         target, B, D, max_depth, accept_index, accept_len, bonus, st);
 }
