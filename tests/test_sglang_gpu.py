@@ -207,3 +207,34 @@ def test_whole_round_is_captured_in_one_cuda_graph():
         assert np.array_equal(mask_buf[:wm.size].cpu().numpy(), wm.astype(np.uint8))
         for g, w in zip(acc, ref.accept([tr[3] for tr in trees], want[0], target, q)):
             assert np.array_equal(g.cpu().numpy(), w)
+
+
+def test_dropin_errors_name_the_argument():
+    bs, budget = 2, 8
+    q = budget + 1
+    rb = sglang.RoundBuilder(bs, budget, DEV)
+    lp, ids, _, bonus, prefix = round_inputs(4, bs, q)
+    lp, ids = lp.to(DEV), ids.to(DEV)
+    bonus, prefix = torch.as_tensor(bonus, device=DEV), torch.as_tensor(prefix, device=DEV)
+    with pytest.raises(InputError, match=r"budgets: expected 0..8 \(q - 1\), got 9"):
+        rb.build(lp, ids, 9, bonus, prefix)
+    with pytest.raises(InputError, match=r"budgets: expected an int32 or int64 \[2\] tensor on cuda:0, got torch.float32"):
+        rb.build(lp, ids, torch.ones(bs, device=DEV), bonus, prefix)
+    with pytest.raises(InputError, match=r"prefix_lens: expected an int32 or int64 \[2\] tensor"):
+        rb.build(lp, ids, budget, bonus, prefix[:1])
+    with pytest.raises(InputError, match=r"prefix_lens: expected an int32 or int64 \[2\] tensor on cuda:0, got .* on cpu"):
+        rb.build(lp, ids, budget, bonus, prefix.cpu())
+    strided = torch.stack([prefix, prefix], 1)[:, 0]
+    assert not strided.is_contiguous()
+    lay = rb.build(lp, ids, budget, bonus, strided)   # read through a contiguous copy
+    _, want = cpu_round(lp.cpu(), ids.cpu(), np.full(bs, budget), bonus.cpu().numpy(), prefix.cpu().numpy(), q)
+    assert np.array_equal(lay.positions.cpu().numpy(), want[1])
+    with pytest.raises(InputError, match=r"prefix_lens: expected an int32 or int64 \[2\] tensor"):
+        sglang.custom_mask(lay.visibility, prefix.float())
+    with pytest.raises(InputError, match=r"retrieve_next_sibling: expected an int32 or int64 \[2, 9\] tensor"):
+        sglang.accept(lay.tree_tokens, lay.retrieve_next_token, lay.retrieve_next_sibling[:, :4], lay.tree_tokens)
+    va = sglang.VerifyAttention(bs, q, 8, 5000, device=DEV)
+    with pytest.raises(InputError, match=r"req_pool_indices: expected an int32 or int64 \[2\] tensor"):
+        va.prepare(torch.zeros(bs, dtype=torch.int16, device=DEV), prefix)
+    with pytest.raises(InputError, match=r"prefix_lens: expected an int32 or int64 \[2\] tensor"):
+        va.prepare(torch.zeros(bs, dtype=torch.int32, device=DEV), None)
