@@ -10,7 +10,10 @@
 - ``accept``: step 6 from the target's argmax and the retrieve links.
 - ``VerifyAttention``: tree-verify attention on SGLang's KV metadata: the token pool
   ``[slots, 1, 576]``, ``req_to_token`` read in place through ``req_pool_indices``, q and out
-  in ``[bs * q, H, ...]``.
+  in ``[bs * q, H, ...]``; ``prepare`` once a forward, ``run`` for each layer.
+
+Lengths, budgets and indices are taken as int32 or int64 and read in that dtype (a
+conversion would be one more launch in the captured round).
 - ``patch()``: switch a running worker module over (``KDTREE_SGLANG=1`` does it on import),
   undoable; see kdtree.sglang.patch.
 """
