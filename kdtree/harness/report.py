@@ -122,7 +122,8 @@ def worker_round_section(d: pd.DataFrame) -> list[str]:
             "The CPU path as the worker runs it (top-k to the host, heapq build per request, padding and upload, "
             "the [q, P + q] mask built and uploaded, argmax to the host, child-map accept) against the drop-in "
             "captured in one CUDA graph (`nomask`: without the mask, for kdtree's own verify attention). "
-            "`kdtree_verify_layer`: one layer of tree-verify attention on SGLang's KV metadata (page size 1).", "",
+            "`kdtree_verify_layer`: one layer of tree-verify attention on SGLang's KV metadata (page size 1), "
+            "after the forward's `prepare()` (what each of the model's layers costs).", "",
             _md(t.reset_index(), floatfmt=".4g"), ""]
 
 
