@@ -2,7 +2,8 @@
 // visibility: request b's block of bytes (bool or uint8) [q, P_b + q] at mask_indptr[b],
 // prefix columns 1, then its q x q visibility row. One CTA a (row, request). Each CTA sums
 // the blocks before its own for its start, and the row-0 CTAs write mask_indptr: one launch,
-// where a separate scan would be several (each a launch slot in a CUDA graph). The prefix,
+// where a separate scan would be several (each a launch slot in a CUDA graph); the sums read
+// at most ceil(bs / 256) lengths a thread, a few at the batches a worker runs. The prefix,
 // most of the bytes, goes out as 16-byte stores; a block that would end past `capacity`
 // bytes is not written (a device-side length cannot be checked on the host without a sync).
 #include "common.cuh"
