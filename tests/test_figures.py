@@ -102,3 +102,28 @@ def test_report_prints_counts_as_integers_and_explains_follow(tmp_path):
     assert "e+0" not in text                       # no 1.02e+03 budgets, no 2.95e+04 us
     assert "|     1024 |" in text or "| 1024 |" in text.replace("  ", " ")
     assert "`follow`: how often the target token is the first child's" in text
+
+
+def test_worker_round_shows_the_patched_builder(captured, tmp_path):
+    """Rows of the CPU path with patch()'s builder (KDTREE_SGLANG=1 alone) get their own line
+    in the figure, columns in the report and a clause in the README's summary."""
+    from kdtree.harness.summary import summary
+
+    d = pd.read_parquet(REF / "worker_round.parquet")
+    cpu = d[d.impl == "sglang_cpu_path"]
+    patched = cpu.assign(impl="sglang_cpu_path_patched", median_us=cpu.median_us * 0.75)
+    both = pd.concat([d, patched])
+    figures.worker_round(both, "unused.png")
+    fig = captured[-1]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()] if fig.legends else []
+    assert "SGLang CPU path, patch()'s GPU builder" in labels, labels
+    check_readable(fig)
+    for f in REF.glob("*.parquet"):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    both.to_parquet(tmp_path / "worker_round.parquet")
+    text = render(tmp_path, tmp_path / "report.md")
+    header = text[text.index("## SGLang DDTree worker round"):].split("\n\n")[2].splitlines()[0]
+    assert "patched build (us)" in header and "patched round (us)" in header and "kdtree_dropin_graph (us)" in header
+    row = both[(both.batch == 1) & (both.budget == 64) & (both.prefix == 8192) & (both.part == "round")]
+    want = float(row[row.impl == "sglang_cpu_path_patched"].median_us.iloc[0]) / 1e3
+    assert f"({want:.3g} ms with `patch()`'s builder alone)" in summary(tmp_path)

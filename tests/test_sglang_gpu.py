@@ -23,9 +23,11 @@ def test_builder_on_cuda_is_byte_identical(golden):
         V, budget = int(rng.choice([2, 3, 40, 5000])), int(rng.choice([-1, 0, 1, 2, 16, 64, 256, 1024]))
         lp, ids = stage_a_inputs(1, int(rng.choice([1, 4, 15])), V, max(budget, 1), seed=seed, coarse_fraction=1.0)
         cases.append((lp[0], ids[0], budget))
-    for i, (lp, ids, budget) in enumerate(cases):
+    # All built first, compared after: a result must not share memory with the builder's
+    # buffers, which the next call of the same budget rewrites.
+    got_all = [sglang.build_ddtree_tree_from_topk(lp.to(DEV), ids.to(DEV), budget) for lp, ids, budget in cases]
+    for i, ((lp, ids, budget), got) in enumerate(zip(cases, got_all)):
         want = ref.build_ddtree_tree_from_topk(lp, ids, budget)
-        got = sglang.build_ddtree_tree_from_topk(lp.to(DEV), ids.to(DEV), budget)
         for k, (g, w) in enumerate(zip(got, want)):
             if isinstance(w, torch.Tensor):
                 assert g.device.type == "cpu" and g.dtype == w.dtype and torch.equal(g, w), (i, k)
@@ -233,6 +235,10 @@ def test_dropin_errors_name_the_argument():
         sglang.custom_mask(lay.visibility, prefix.float())
     with pytest.raises(InputError, match=r"retrieve_next_sibling: expected an int32 or int64 \[2, 9\] tensor"):
         sglang.accept(lay.tree_tokens, lay.retrieve_next_token, lay.retrieve_next_sibling[:, :4], lay.tree_tokens)
+    bad = lp[0].clone()
+    bad[2, 1] = float("nan")
+    with pytest.raises(InputError, match="top_log_probs: NaN or \\+inf"):
+        sglang.build_ddtree_tree_from_topk(bad, ids[0], budget)
     va = sglang.VerifyAttention(bs, q, 8, 5000, device=DEV)
     with pytest.raises(InputError, match=r"req_pool_indices: expected an int32 or int64 \[2\] tensor"):
         va.prepare(torch.zeros(bs, dtype=torch.int16, device=DEV), prefix)

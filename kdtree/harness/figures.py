@@ -198,9 +198,11 @@ def worker_round(df: pd.DataFrame, path):
     if d.empty:
         return _placeholder(path, "SGLang worker round", "no measured rows")
     cpu = d[(d.impl == "sglang_cpu_path") & (d.part == "round")].assign(impl="SGLang CPU path")
+    patched = d[(d.impl == "sglang_cpu_path_patched") & (d.part == "round")].assign(
+        impl="SGLang CPU path, patch()'s GPU builder")
     drop = d[d.impl == "kdtree_dropin_graph"].assign(impl="kdtree.sglang drop-in (one graph)")
     attn = d[d.impl == "kdtree_verify_layer"].assign(impl="kdtree verify attention, one layer")
-    long = pd.concat([cpu, drop, attn])
+    long = pd.concat([cpu, patched, drop, attn])
     long["ms"] = long.median_us / 1e3
     g = sns.relplot(long, x="batch", y="ms", hue="impl", style="impl", col="budget", row="prefix", kind="line",
                     marker="o", height=2.6, aspect=1.3, facet_kws={"sharey": False})

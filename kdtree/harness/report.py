@@ -113,14 +113,18 @@ def worker_round_section(d: pd.DataFrame) -> list[str]:
     keys = ["batch", "budget", "prefix"]
     cpu = d[d.impl == "sglang_cpu_path"].pivot_table(index=keys, columns="part", values="median_us")
     cpu.columns = [f"cpu {c} (us)" for c in cpu.columns]
-    other = d[d.impl != "sglang_cpu_path"].pivot_table(index=keys, columns="impl", values="median_us")
+    patched = d[(d.impl == "sglang_cpu_path_patched") & d.part.isin(["build", "round"])].pivot_table(
+        index=keys, columns="part", values="median_us")
+    patched.columns = [f"patched {c} (us)" for c in patched.columns]
+    other = d[~d.impl.str.startswith("sglang_cpu_path")].pivot_table(index=keys, columns="impl", values="median_us")
     other.columns = [f"{c} (us)" for c in other.columns]
-    t = cpu.join(other)
+    t = cpu.join(patched).join(other)
     if "cpu round (us)" in t and "kdtree_dropin_graph (us)" in t:
         t["round speedup"] = t["cpu round (us)"] / t["kdtree_dropin_graph (us)"]
     return ["## SGLang DDTree worker round (kdtree.sglang)", "",
             "The CPU path as the worker runs it (top-k to the host, heapq build per request, padding and upload, "
-            "the [q, P + q] mask built and uploaded, argmax to the host, child-map accept) against the drop-in "
+            "the [q, P + q] mask built and uploaded, argmax to the host, child-map accept); `patched`: the same "
+            "path with `kdtree.sglang.patch()`'s GPU builder (what `KDTREE_SGLANG=1` alone changes); the drop-in "
             "captured in one CUDA graph (`nomask`: without the mask, for kdtree's own verify attention). "
             "`kdtree_verify_layer`: one layer of tree-verify attention on SGLang's KV metadata (page size 1), "
             "after the forward's `prepare()` (what each of the model's layers costs).", "",

@@ -31,13 +31,16 @@ def summary(results_dir) -> str:
     w = read_ok_rows(rd / "worker_round.parquet")
     if w is not None and len(w):
         def at(B, b, P):
-            sel = (w.batch == B) & (w.budget == b) & (w.prefix == P)
-            cpu = w[sel & (w.impl == "sglang_cpu_path") & (w.part == "round")].median_us
-            drop = w[sel & (w.impl == "kdtree_dropin_graph")].median_us
-            return (float(cpu.iloc[0]), float(drop.iloc[0])) if len(cpu) and len(drop) else None
+            sel = (w.batch == B) & (w.budget == b) & (w.prefix == P) & (w.part.isin(["round"]))
+            cpu, patched, drop = (w[sel & (w.impl == i)].median_us for i in (
+                "sglang_cpu_path", "sglang_cpu_path_patched", "kdtree_dropin_graph"))
+            if not (len(cpu) and len(drop)):
+                return None
+            return float(cpu.iloc[0]), float(patched.iloc[0]) if len(patched) else None, float(drop.iloc[0])
         pts = [(B, b, P, at(B, b, P)) for B, b, P in ((1, 64, 8192), (16, 64, 32768), (64, 256, 32768))]
-        said = [f"batch {B}, budget {b}, P {P // 1024}k: {c / 1e3:.3g} ms against {d:.0f} us"
-                for B, b, P, v in pts if v for c, d in [v]]
+        said = [f"batch {B}, budget {b}, P {P // 1024}k: {c / 1e3:.3g} ms"
+                + (f" ({pa / 1e3:.3g} ms with `patch()`'s builder alone)" if pa is not None else "")
+                + f" against {d:.0f} us" for B, b, P, v in pts if v for c, pa, d in [v]]
         if said:
             lines += ["SGLang's DDTree round on the CPU (as the worker runs it) against the `kdtree.sglang` "
                       "drop-in in one CUDA graph: " + "; ".join(said) + ".", ""]

@@ -19,6 +19,7 @@ conversion would be one more launch in the captured round).
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
@@ -37,7 +38,8 @@ __all__ = ["Patch", "PatchError", "RoundBuilder", "VerifyAttention", "VerifyLayo
 def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
     """The worker's ``build_ddtree_tree_from_topk``: the same arguments and the same 7-tuple
     (CPU tensors and Python lists, as the worker's callers expect). CPU inputs take the
-    heapq build; CUDA inputs are built by the GPU kernel, then copied back (a sync)."""
+    heapq build; CUDA inputs are built by the GPU kernel into buffers kept per (device,
+    budget), copied back to pinned memory without a wait between, then one sync."""
     if not (isinstance(top_log_probs, torch.Tensor) and top_log_probs.is_cuda):
         return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget > MAX_BUDGET:
@@ -49,21 +51,50 @@ def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
     if budget <= 0 or L == 0:
         return reference._root_only()
     dev = top_log_probs.device
+    buf = _builder_buffers(dev, budget)
     lp = top_log_probs.to(torch.float32).contiguous()[None]
     ids = top_token_ids.to(device=dev, dtype=torch.int64).contiguous()[None]
-    r = ops.tree_build(lp, ids, torch.tensor([budget], dtype=torch.int32, device=dev), d_max=budget + 1,
-                       dense_visibility=True)
-    st = int(r.status[0])   # sync: the worker's callers want host objects
-    if st & ops.STATUS_NAN_INPUT:
+    r = ops.tree_build(lp, ids, buf.budget, d_max=budget + 1, dense_visibility=True, out=buf.trees)
+    h = buf.host
+    for name, t in h.items():
+        t.copy_(getattr(r, name)[0], non_blocking=True)
+    torch.cuda.current_stream(dev).synchronize()   # the worker's callers want host objects
+    if int(h["status"]) & ops.STATUS_NAN_INPUT:
         raise InputError("top_log_probs: NaN or +inf; log-probs must be finite or -inf")
-    n = int(r.node_counts[0])
-    tokens = r.tokens[0, 1:n + 1].cpu()
-    parents = r.parents[0, :n + 1].tolist()
+    n = int(h["node_counts"])
+    tokens = h["tokens"][1:n + 1].clone()
+    parents = h["parents"][:n + 1].tolist()
     child_maps = [dict() for _ in range(n + 1)]
     for i, t in enumerate(tokens.tolist(), start=1):
         child_maps[parents[i]][t] = i
-    return (tokens, r.depths[0, 1:n + 1].cpu(), parents, child_maps, r.visibility[0, :n + 1, :n + 1].cpu(),
-            r.next_token[0, :n + 1].cpu(), r.next_sibling[0, :n + 1].cpu())
+    return (tokens, h["depths"][1:n + 1].clone(), parents, child_maps, h["visibility"][:n + 1, :n + 1].contiguous(),
+            h["next_token"][:n + 1].clone(), h["next_sibling"][:n + 1].clone())
+
+
+class _BuilderBuffers:
+    """One request's build at one budget on one device: the GPU outputs, the budget, and
+    pinned host copies of the fields the worker's tuple is made from."""
+
+    FIELDS = ("status", "node_counts", "tokens", "depths", "parents", "next_token", "next_sibling", "visibility")
+
+    def __init__(self, dev, budget):
+        self.trees = ops.TreeBuildResult.empty(1, budget + 1, dev, dense_visibility=True)
+        self.budget = torch.full((1,), budget, dtype=torch.int32, device=dev)
+        self.host = {name: torch.empty(getattr(self.trees, name).shape[1:], dtype=getattr(self.trees, name).dtype,
+                                       pin_memory=True) for name in self.FIELDS}
+
+
+_BUILDERS = threading.local()   # a thread's buffers: a worker thread never waits on another's
+
+
+def _builder_buffers(dev, budget) -> _BuilderBuffers:
+    cache = getattr(_BUILDERS, "cache", None)
+    if cache is None:
+        cache = _BUILDERS.cache = {}
+    key = (dev.index, budget)
+    if key not in cache:
+        cache[key] = _BuilderBuffers(dev, budget)
+    return cache[key]
 
 
 class VerifyLayout(NamedTuple):

@@ -1,7 +1,8 @@
 """SGLang's DDTree worker round at its boundary (spec sglang.md, section 1): the CPU path as
 the worker runs it (the top-k copied to the host, the heapq build per request, padding and
 upload, the [q, P + q] custom mask built and uploaded, the target's argmax copied back, the
-child-map accept) against kdtree.sglang's drop-in (build into the padded layout, the mask,
+child-map accept), the same path with ``kdtree.sglang.patch()``'s builder (what
+``KDTREE_SGLANG=1`` alone changes), against kdtree.sglang's drop-in (build into the padded layout, the mask,
 the accept) captured in one CUDA graph. Beside them, one layer of tree-verify attention on
 SGLang's KV metadata, so a row says where the round's time goes."""
 from __future__ import annotations
@@ -14,10 +15,11 @@ from ..workloads import stage_a_inputs
 from .runner import run_sweep
 
 
-def _cpu_path(ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch):
-    """One round of the CPU path; returns each part's seconds (synchronised)."""
+def _cpu_path(build, ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch):
+    """One round of the CPU path with the builder ``build`` (the worker's, or the one
+    ``kdtree.sglang.patch()`` puts in its place); returns each part's seconds (synchronised)."""
     t0 = time.perf_counter()
-    trees = [ref.build_ddtree_tree_from_topk(lp[i], ids[i], budget) for i in range(lp.shape[0])]
+    trees = [build(lp[i], ids[i], budget) for i in range(lp.shape[0])]
     t1 = time.perf_counter()
     layout = ref.pad_round(trees, bonus_h, prefix_h, q)
     up = [torch.from_numpy(a).to(dev) for a in layout]
@@ -55,13 +57,16 @@ def measure_point(p: dict, cfg: dict) -> list[dict]:
     target = torch.randint(0, cfg["vocab"], (bs, q), device=dev)
 
     rows = []
-    samples = {}
-    _cpu_path(ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch)   # warm-up
-    for _ in range(cfg.get("cpu_reps", 3)):
-        for k, v in _cpu_path(ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch).items():
-            samples.setdefault(k, []).append(v)
-    for part, s in samples.items():
-        rows.append(dict(p, impl="sglang_cpu_path", part=part, **summarize(s)))
+    # The worker as it is, and with KDTREE_SGLANG=1 (patch() swaps its builder alone).
+    for impl, build in (("sglang_cpu_path", ref.build_ddtree_tree_from_topk),
+                        ("sglang_cpu_path_patched", sglang.build_ddtree_tree_from_topk)):
+        samples = {}
+        _cpu_path(build, ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch)   # warm-up
+        for _ in range(cfg.get("cpu_reps", 3)):
+            for k, v in _cpu_path(build, ref, lp, ids, budget, bonus_h, prefix_h, target, q, dev, torch).items():
+                samples.setdefault(k, []).append(v)
+        for part, s in samples.items():
+            rows.append(dict(p, impl=impl, part=part, **summarize(s)))
 
     rb = sglang.RoundBuilder(bs, budget, dev)
     mask_buf = torch.empty(mask_bytes, dtype=torch.uint8, device=dev)
