@@ -67,7 +67,8 @@ def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
     child_maps = [dict() for _ in range(n + 1)]
     for i, t in enumerate(tokens.tolist(), start=1):
         child_maps[parents[i]][t] = i
-    return (tokens, h["depths"][1:n + 1].clone(), parents, child_maps, h["visibility"][:n + 1, :n + 1].contiguous(),
+    # Copies (clone), never views of the buffers: the next call rewrites them.
+    return (tokens, h["depths"][1:n + 1].clone(), parents, child_maps, h["visibility"][:n + 1, :n + 1].clone(),
             h["next_token"][:n + 1].clone(), h["next_sibling"][:n + 1].clone())
 
 
