@@ -239,8 +239,8 @@ def custom_mask(visibility, prefix_lens, out=None, mask_indptr=None):
     if mask_indptr is None:
         mask_indptr = torch.empty(bs + 1, dtype=torch.int64, device=dev)
     ops._tensor("mask_indptr", mask_indptr, torch.int64, (bs + 1,), dev)
-    if out is None:
-        out = torch.empty(q * int((prefix.clamp(min=0) + q).sum()), dtype=torch.bool, device=dev)   # sync
+    if out is None:   # the size read from the device: a sync, as documented
+        out = torch.empty(q * int((prefix.long().clamp(min=0) + q).sum()), dtype=torch.bool, device=dev)
     if not isinstance(out, torch.Tensor) or out.dtype not in (torch.bool, torch.uint8) or out.dim() != 1 \
             or out.device != dev or not out.is_contiguous():
         raise InputError(f"out: expected a contiguous 1-D bool or uint8 tensor on {dev}")
