@@ -75,6 +75,9 @@ def test_round_builder_mask_and_accept_match_the_cpu_path(bs, budget, lens):
         m = mask.view(torch.uint8)[:want_mask.size].cpu().numpy()
         assert np.array_equal(m, want_mask.astype(np.uint8))
         assert (buf[want_mask.size:] == 7).all()   # nothing past the blocks
+    mask, indptr = sglang.custom_mask(got.visibility, t(prefix))   # sized on the device (a sync)
+    assert mask.dtype == torch.bool and mask.numel() == want_mask.size
+    assert np.array_equal(mask.cpu().numpy(), want_mask) and np.array_equal(indptr.cpu().numpy(), want_indptr)
     # accept from a target that follows the tree for a while
     rng = np.random.default_rng(bs)
     target = rng.integers(0, 300, size=(bs, q))
