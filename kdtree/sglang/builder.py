@@ -1,0 +1,91 @@
+"""The worker's ``build_ddtree_tree_from_topk`` (spec sglang.md, step 2) with the GPU
+build behind it: what ``patch()`` puts in the worker's place."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import ops
+from ..checks import InputError
+from ..reference.tree import MAX_BUDGET
+from . import reference
+
+
+def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
+    """The worker's ``build_ddtree_tree_from_topk``: the same arguments and the same 7-tuple
+    (CPU tensors and Python lists, as the worker's callers expect). CPU inputs take the
+    heapq build; CUDA inputs are built by the GPU kernel into one buffer kept per (device,
+    budget), copied back to pinned memory in one copy, then one sync."""
+    if not (isinstance(top_log_probs, torch.Tensor) and top_log_probs.is_cuda):
+        return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget > MAX_BUDGET:
+        raise InputError(f"budget: expected an integer <= {MAX_BUDGET}, got {budget!r}")
+    if top_log_probs.dim() != 2 or not isinstance(top_token_ids, torch.Tensor) or \
+            top_token_ids.shape != top_log_probs.shape:
+        raise InputError("top_log_probs, top_token_ids: expected two [L, k] tensors of one shape")
+    L = top_log_probs.shape[0]
+    if budget <= 0 or L == 0:
+        return reference._root_only()
+    dev = top_log_probs.device
+    buf = _builder_buffers(dev, budget)
+    lp = top_log_probs.to(torch.float32).contiguous()[None]
+    ids = top_token_ids.to(device=dev, dtype=torch.int64).contiguous()[None]
+    ops.tree_build(lp, ids, buf.budget, d_max=budget + 1, dense_visibility=True, out=buf.trees)
+    buf.host_flat.copy_(buf.flat, non_blocking=True)   # the whole tree in one copy
+    torch.cuda.current_stream(dev).synchronize()   # the worker's callers want host objects
+    h = buf.host
+    if int(h.status[0]) & ops.STATUS_NAN_INPUT:
+        raise InputError("top_log_probs: NaN or +inf; log-probs must be finite or -inf")
+    n = int(h.node_counts[0])
+    # Copies (clone), never views of the buffers: the next call rewrites them.
+    tokens = h.tokens[0, 1:n + 1].clone()
+    parents = h.parents[0, :n + 1].tolist()
+    child_maps = [dict() for _ in range(n + 1)]
+    for i, t in enumerate(tokens.tolist(), start=1):
+        child_maps[parents[i]][t] = i
+    return (tokens, h.depths[0, 1:n + 1].clone(), parents, child_maps, h.visibility[0, :n + 1, :n + 1].clone(),
+            h.next_token[0, :n + 1].clone(), h.next_sibling[0, :n + 1].clone())
+
+
+def _one_tree_buffer(D, device, pin_memory=False):
+    """``(flat, trees)``: a TreeBuildResult for one request of D slots whose fields are views
+    of one byte buffer (the i64 fields, then the i32, then the dense visibility), so that one
+    copy moves the whole tree."""
+    W = (D + 31) // 32
+    groups = ((torch.int64, (("tokens", D), ("depths", D), ("positions", D), ("next_token", D),
+                             ("next_sibling", D))),
+              (torch.int32, (("node_counts", 1), ("status", 1), ("parents", D), ("visibility_bits", D * W))),
+              (torch.bool, (("visibility", D * D),)))
+    nbytes = sum(dt.itemsize * n for dt, fields in groups for _, n in fields)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    shapes = dict(node_counts=(1,), status=(1,), visibility_bits=(1, D, W), visibility=(1, D, D))
+    views, at = {}, 0
+    for dt, fields in groups:
+        for name, n in fields:
+            views[name] = flat[at:at + dt.itemsize * n].view(dt).view(shapes.get(name, (1, D)))
+            at += dt.itemsize * n
+    return flat, ops.TreeBuildResult(**views)
+
+
+class _BuilderBuffers:
+    """One request's build at one budget on one device: the GPU outputs in one buffer, the
+    budget, and the buffer's pinned host twin."""
+
+    def __init__(self, dev, budget):
+        self.flat, self.trees = _one_tree_buffer(budget + 1, dev)
+        self.host_flat, self.host = _one_tree_buffer(budget + 1, "cpu", pin_memory=True)
+        self.budget = torch.full((1,), budget, dtype=torch.int32, device=dev)
+
+
+_BUILDERS = threading.local()   # a thread's buffers: a worker thread never waits on another's
+
+
+def _builder_buffers(dev, budget) -> _BuilderBuffers:
+    cache = getattr(_BUILDERS, "cache", None)
+    if cache is None:
+        cache = _BUILDERS.cache = {}
+    key = (dev.index, budget)
+    if key not in cache:
+        cache[key] = _BuilderBuffers(dev, budget)
+    return cache[key]
