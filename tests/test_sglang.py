@@ -206,3 +206,25 @@ def test_patch_from_env(monkeypatch, capsys):
 def test_drop_in_signature_is_the_workers():
     assert tuple(inspect.signature(sglang.build_ddtree_tree_from_topk).parameters) == \
         ("top_log_probs", "top_token_ids", "budget")
+
+
+@pytest.mark.parametrize("D", [1, 2, 33, 65, 1025])
+def test_builder_buffer_holds_every_field_once(D):
+    """The CUDA builder's one-buffer tree: each field as TreeBuildResult.empty makes it
+    (dtype, shape, contiguous), aligned, and the views tile the buffer without overlap, so
+    one copy moves all of them and no field writes over another."""
+    from kdtree import ops
+    from kdtree.sglang.builder import _one_tree_buffer
+
+    flat, trees = _one_tree_buffer(D, "cpu")
+    like = ops.TreeBuildResult.empty(1, D, "cpu", dense_visibility=True)
+    spans = []
+    for name in ops._OUT_FIELDS:
+        v, w = getattr(trees, name), getattr(like, name)
+        assert (v.dtype, v.shape, v.is_contiguous()) == (w.dtype, w.shape, True), name
+        at = v.data_ptr() - flat.data_ptr()
+        assert at % v.element_size() == 0, name
+        spans.append((at, at + v.nbytes))
+    spans.sort()
+    assert spans[0][0] == 0 and spans[-1][1] == flat.numel()
+    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))

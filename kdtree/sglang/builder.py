@@ -49,22 +49,17 @@ def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
 
 
 def _one_tree_buffer(D, device, pin_memory=False):
-    """``(flat, trees)``: a TreeBuildResult for one request of D slots whose fields are views
-    of one byte buffer (the i64 fields, then the i32, then the dense visibility), so that one
-    copy moves the whole tree."""
-    W = (D + 31) // 32
-    groups = ((torch.int64, (("tokens", D), ("depths", D), ("positions", D), ("next_token", D),
-                             ("next_sibling", D))),
-              (torch.int32, (("node_counts", 1), ("status", 1), ("parents", D), ("visibility_bits", D * W))),
-              (torch.bool, (("visibility", D * D),)))
-    nbytes = sum(dt.itemsize * n for dt, fields in groups for _, n in fields)
-    flat = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin_memory)
-    shapes = dict(node_counts=(1,), status=(1,), visibility_bits=(1, D, W), visibility=(1, D, D))
+    """``(flat, trees)``: a TreeBuildResult for one request of D slots (with the dense
+    visibility) whose fields are views of one byte buffer, so that one copy moves the whole
+    tree. The fields' shapes and dtypes are TreeBuildResult.empty's; the widest dtype goes
+    first, so every view starts aligned."""
+    like = ops.TreeBuildResult.empty(1, D, "meta", dense_visibility=True)
+    fields = sorted(((n, getattr(like, n)) for n in ops._OUT_FIELDS), key=lambda f: -f[1].element_size())
+    flat = torch.empty(sum(m.nbytes for _, m in fields), dtype=torch.uint8, device=device, pin_memory=pin_memory)
     views, at = {}, 0
-    for dt, fields in groups:
-        for name, n in fields:
-            views[name] = flat[at:at + dt.itemsize * n].view(dt).view(shapes.get(name, (1, D)))
-            at += dt.itemsize * n
+    for name, m in fields:
+        views[name] = flat[at:at + m.nbytes].view(m.dtype).view(m.shape)
+        at += m.nbytes
     return flat, ops.TreeBuildResult(**views)
 
 

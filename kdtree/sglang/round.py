@@ -57,15 +57,14 @@ class RoundBuilder:
                                    torch.empty(max_bs, q, q, dtype=torch.bool, device=dev))
         self._budgets = torch.empty(max_bs, dtype=torch.int32, device=dev)   # int64 budgets' copy
         self._filled = {}   # int -> an i32 [max_bs] buffer holding it, never rewritten
-        self._trees = {}   # bs -> TreeBuildResult views of the first bs rows
+        self._rows = {}   # bs -> (TreeBuildResult, VerifyLayout): views of the first bs rows
 
     def _views(self, bs):
-        if bs not in self._trees:
-            t = self.trees
-            self._trees[bs] = ops.TreeBuildResult(*(None if f is None else f[:bs] for f in (
-                t.node_counts, t.tokens, t.depths, t.parents, t.positions, t.next_token, t.next_sibling,
-                t.visibility_bits, t.visibility, t.status)))
-        return self._trees[bs]
+        if bs not in self._rows:
+            full = {n: getattr(self.trees, n) for n in ops._OUT_FIELDS}
+            trees = ops.TreeBuildResult(**{n: None if v is None else v[:bs] for n, v in full.items()})
+            self._rows[bs] = trees, VerifyLayout(*(t[:bs] for t in self.layout))
+        return self._rows[bs]
 
     def _budget_tensor(self, budgets, bs):
         """The build's i32 budgets: an int32 tensor as given; an int64 tensor copied; one int
@@ -98,8 +97,8 @@ class RoundBuilder:
         b = self._budget_tensor(budgets, bs)
         bonus = ops._tensor("bonus_tokens", bonus_tokens, torch.int64, (bs,), self.device)
         prefix = _lens("prefix_lens", prefix_lens, bs, self.device)
-        trees = ops.tree_build(lp, top_token_ids, b, root_tokens=bonus, d_max=self.q, out=self._views(bs))
-        out = VerifyLayout(*(t[:bs] for t in self.layout))
+        trees, out = self._views(bs)
+        ops.tree_build(lp, top_token_ids, b, root_tokens=bonus, d_max=self.q, out=trees)
         rc = lib().kd_sglang_round_layout(*(t.data_ptr() for t in (
             trees.node_counts, trees.tokens, trees.depths, trees.next_token, trees.next_sibling, trees.visibility,
             bonus, prefix)), int(prefix.dtype is torch.int64), bs, self.q, *(t.data_ptr() for t in out),
