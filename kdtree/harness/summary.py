@@ -31,7 +31,7 @@ def summary(results_dir) -> str:
     w = read_ok_rows(rd / "worker_round.parquet")
     if w is not None and len(w):
         def at(B, b, P):
-            sel = (w.batch == B) & (w.budget == b) & (w.prefix == P) & (w.part.isin(["round"]))
+            sel = (w.batch == B) & (w.budget == b) & (w.prefix == P) & (w.part == "round")
             cpu, patched, drop = (w[sel & (w.impl == i)].median_us for i in (
                 "sglang_cpu_path", "sglang_cpu_path_patched", "kdtree_dropin_graph"))
             if not (len(cpu) and len(drop)):
