@@ -76,6 +76,18 @@ __device__ __forceinline__ int64_t load_len(const void* lens, bool i64, int i) {
   return i64 ? static_cast<const int64_t*>(lens)[i] : (int64_t) static_cast<const int32_t*>(lens)[i];
 }
 
+// Max and sum over the whole warp (every lane gets them); the sum serves the attention's
+// float weights and the mask's int64 offsets alike.
+__device__ __forceinline__ float warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // x / s for 0 <= x < 2^20 and 1 <= s < 2^20, exact: a float quotient, then one correction
 // each way (a few instructions; the integer division is a ~20-instruction sequence, and
 // in the tree build's once-run code each instruction is also a fetch).

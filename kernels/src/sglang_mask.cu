@@ -21,7 +21,7 @@ __device__ __forceinline__ int64_t block_width(const void* prefix_lens, bool pre
 // Sum over the CTA of each thread's v (every thread gets it).
 __device__ int64_t block_sum(int64_t v) {
   __shared__ int64_t s_part[MASK_THREADS / 32];
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  v = warp_sum(v);
   if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = v;
   __syncthreads();
   int64_t sum = 0;
