@@ -376,6 +376,35 @@ def test_flashmla_calls_rotate_the_copies_after_one_call_outside(monkeypatch):
     assert seen[2:] == [0, 1, 2, 0, 0]             # in turn, and a new timing starts again
 
 
+def test_alternating_order_gives_every_side_the_same_places():
+    """kdtree and FlashMLA are timed in alternating replays (A B, B A, ...): each side gets
+    `replays` of them, and over any two rounds the same mean place, so a drift over the
+    timing (the board warming) falls on both alike."""
+    from kdtree.harness.timing import alternating_order
+
+    assert alternating_order(2, 4) == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert alternating_order(3, 2) == [0, 1, 2, 2, 1, 0]
+    for sides, replays in ((2, 10), (3, 6), (1, 5)):
+        order = alternating_order(sides, replays)
+        places = {i: [k for k, j in enumerate(order) if j == i] for i in range(sides)}
+        assert all(len(p) == replays for p in places.values())
+        assert len({sum(p) for p in places.values()}) == 1
+
+
+def test_report_says_how_kdtree_and_flashmla_were_timed(tmp_path):
+    """The FlashMLA section names the timing order its rows record: alternating replays where
+    the rows say so (`timing`), else kdtree first (the sets measured before)."""
+    rows = [dict(heads=8, D=64, prefix=8192, batch=16, page_size=64, impl=impl, median_us=m, status="ok",
+                 roofline_fraction=0.8, copy_fraction=0.2, floor_us=200.0)
+            for impl, m in (("kdtree_kernel", 250.0), ("flashmla", 230.0))]
+    for timing, says in ((None, "kdtree is timed first at each shape"), ("alternating", "replays alternate")):
+        d = pd.DataFrame(rows) if timing is None else pd.DataFrame(rows).assign(timing=timing)
+        d.to_parquet(tmp_path / "verify_attn.parquet")
+        cli(["report", "--results", str(tmp_path), "--out", str(tmp_path / "r.md")])
+        text = (tmp_path / "r.md").read_text()
+        assert "kdtree against FlashMLA" in text and says in text, timing
+
+
 def test_report_shows_the_sustained_table(tmp_path):
     rows = [dict(batch=16, heads=8, D=64, prefix=32768, page_size=64, impl=impl, burst_us=b, median_us=m, power_w=691.0,
                  sm_mhz=1700.0, temp_c=57.0, power_capped=1.0, status="ok")

@@ -60,6 +60,35 @@ def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
     return summarize(samples)
 
 
+ALTERNATING = "alternating"   # a row's `timing` where its replays alternated with a peer's
+
+
+def alternating_order(sides: int, replays: int) -> list[int]:
+    """Which side each timed replay runs: every side in turn, the order reversed every other
+    round (A B, B A, A B, ...), so that a drift over the timing (the board warming towards its
+    power limit within seconds) falls on every side alike. `replays` rounds."""
+    order = []
+    for r in range(replays):
+        order.extend(range(sides) if r % 2 == 0 else range(sides - 1, -1, -1))
+    return order
+
+
+def time_graphs_alternating(fns: list, replays: int = 50, inner: int = 10, warmup: int = 3) -> list[dict]:
+    """time_graph for several functions compared in one run: each captured into its own CUDA
+    graph, then their replays timed one at a time in alternating_order; a summary a function."""
+    import torch
+
+    graphs = [capture_graph(fn, inner=inner, warmup=warmup)[0] for fn in fns]
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    samples = [[] for _ in graphs]
+    for i in alternating_order(len(graphs), replays):
+        samples[i] += [t / inner for t in _event_seconds(graphs[i].replay, 1)]
+    del graphs
+    return [summarize(s) for s in samples]
+
+
 def time_graph_sustained(fn, inner: int, warmup_s: float, seconds: float, during=None) -> dict:
     """Device time per call with the GPU kept busy: fn captured `inner` times into one CUDA
     graph, replayed back to back for `warmup_s` (the board settles at its power limit), then
