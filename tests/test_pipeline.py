@@ -391,6 +391,38 @@ def test_alternating_order_gives_every_side_the_same_places():
         assert len({sum(p) for p in places.values()}) == 1
 
 
+def test_graphs_timed_in_alternating_replays_keep_each_sides_samples(monkeypatch):
+    """time_graphs_alternating: one graph a function, each replayed once untimed, then the
+    timed replays in alternating_order, each side's samples (per call: over `inner`) summarised
+    apart."""
+    import torch
+    from kdtree.harness import timing
+
+    replayed = []
+
+    class FakeGraph:
+        def __init__(self, side):
+            self.side = side
+
+        def replay(self):
+            replayed.append(self.side)
+
+    def fake_capture(fn, inner, warmup):
+        assert (inner, warmup) == (4, 3)
+        return FakeGraph(fn()), None
+
+    def fake_events(call, reps):
+        call()
+        return [{"a": 4e-6, "b": 8e-6}[replayed[-1]]] * reps
+
+    monkeypatch.setattr(timing, "capture_graph", fake_capture)
+    monkeypatch.setattr(timing, "_event_seconds", fake_events)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    a, b = timing.time_graphs_alternating([lambda: "a", lambda: "b"], replays=3, inner=4)
+    assert replayed == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    assert (a["median_us"], a["reps"], b["median_us"], b["reps"]) == (1.0, 3, 2.0, 3)
+
+
 def test_report_says_how_kdtree_and_flashmla_were_timed(tmp_path):
     """The FlashMLA section names the timing order its rows record: alternating replays where
     the rows say so (`timing`), else kdtree first (the sets measured before)."""
