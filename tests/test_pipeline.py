@@ -1,7 +1,6 @@
 """The pipeline's Python: resumable sweeps, failed points as rows, atomic writes, gather,
 figures and report from Parquet alone, the whole-step breakdown, config validation,
 GPU claiming, and the deployment checks."""
-import json
 import os
 import pathlib
 import stat
@@ -14,7 +13,7 @@ from kdtree.harness.breakdown import breakdown_table
 from kdtree.cli import main as cli
 from kdtree.tools.deploy_checks import check_container, check_slurm_plan, readme_test_command
 from kdtree.harness.figures import render_all
-from kdtree.harness.results import ResumableSweep, write_parquet_atomic
+from kdtree.harness.results import write_parquet_atomic
 from kdtree.harness.sweeps import tree_accept, tree_build
 from kdtree.harness.sweeps.runner import run_sweep
 

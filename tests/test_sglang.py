@@ -9,7 +9,7 @@ import torch
 
 from kdtree.checks import InputError
 from kdtree.harness.workloads import stage_a_inputs
-from kdtree.reference.tree import build_tree, links_from_parents
+from kdtree.reference.tree import build_tree
 from kdtree import sglang
 from kdtree.sglang import reference as ref
 

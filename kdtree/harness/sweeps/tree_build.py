@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import numpy as np
-
 from ..gpu import cuda_available, ensure_fits
 from ..timing import time_cpu, time_eager_latency, time_graph
 from ...reference.tree import _check_stage_b, heap_build
