@@ -101,9 +101,9 @@ def flashmla_calls(fm, q, caches, table, seq, scale):
 def flashmla_peer(base: dict, q, caches, table, seq, scale):
     """FlashMLA's dense bf16 decode on the same inputs, as a peer: a causal (chain) mask over
     the D query positions, not the tree's, so the same bytes and nearly the same FLOPs.
-    (its row without timings, a function giving a call over the same rotating cache copies
-    (flashmla_calls)); the function is None, and the row says why, where FlashMLA does not
-    import, the page size is not its own or it refuses the shape."""
+    Returns its row without timings and a function giving a call over the same rotating cache
+    copies (flashmla_calls); the function is None, and the row says why, where FlashMLA does
+    not import, the page size is not its own or it refuses the shape."""
     fm = flashmla_module()
     row = dict(base, impl="flashmla", kernel="flashmla_dense_legacy")
     if fm is None:
