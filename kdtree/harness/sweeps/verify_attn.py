@@ -109,7 +109,8 @@ def flashmla_peer(base: dict, q, caches, table, seq, scale):
     if fm is None:
         return dict(row, status="not_available", reason=FLASHMLA_MISSING), None
     if caches[0].shape[1] != FLASHMLA_PAGE:
-        return dict(row, status="not_available", reason=f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE} only"), None
+        reason = f"FlashMLA's dense decode takes page size {FLASHMLA_PAGE} only"
+        return dict(row, status="not_available", reason=reason), None
     try:
         return row, flashmla_calls(fm, q, caches, table, seq, scale)
     except Exception as e:  # a shape FlashMLA refuses is a row, not a crash

@@ -3,8 +3,8 @@ the worker runs it (the top-k copied to the host, the heapq build per request, p
 upload, the [q, P + q] custom mask built and uploaded, the target's argmax copied back, the
 child-map accept), the same path with ``kdtree.sglang.patch()``'s builder (what
 ``KDTREE_SGLANG=1`` alone changes), against kdtree.sglang's drop-in (build into the padded
-layout, the mask, the accept) captured in one CUDA graph. Beside them, one layer of tree-verify attention on
-SGLang's KV metadata, so a row says where the round's time goes."""
+layout, the mask, the accept) captured in one CUDA graph. Beside them, one layer of
+tree-verify attention on SGLang's KV metadata, so a row says where the round's time goes."""
 from __future__ import annotations
 
 import time
