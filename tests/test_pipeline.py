@@ -420,6 +420,9 @@ def test_graphs_timed_in_alternating_replays_keep_each_sides_samples(monkeypatch
     a, b = timing.time_graphs_alternating([lambda: "a", lambda: "b"], replays=3, inner=4)
     assert replayed == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert (a["median_us"], a["reps"], b["median_us"], b["reps"]) == (1.0, 3, 2.0, 3)
+    replayed.clear()   # time_graph: the same with one side
+    one = timing.time_graph(lambda: "b", replays=5, inner=4)
+    assert replayed == ["b"] * 6 and (one["median_us"], one["reps"]) == (2.0, 5)
 
 
 def test_report_says_how_kdtree_and_flashmla_were_timed(tmp_path):

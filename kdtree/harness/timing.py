@@ -49,15 +49,9 @@ def capture_graph(fn, inner: int = 1, warmup: int = 1):
 
 
 def time_graph(fn, replays: int = 50, inner: int = 10, warmup: int = 3) -> dict:
-    """Device time per call: fn captured `inner` times into one CUDA graph, replays timed by events."""
-    import torch
-
-    g, _ = capture_graph(fn, inner=inner, warmup=warmup)
-    g.replay()
-    torch.cuda.synchronize()
-    samples = [t / inner for t in _event_seconds(g.replay, replays)]
-    del g
-    return summarize(samples)
+    """Device time per call: fn captured `inner` times into one CUDA graph, replays timed by events
+    (time_graphs_alternating with one side)."""
+    return time_graphs_alternating([fn], replays=replays, inner=inner, warmup=warmup)[0]
 
 
 ALTERNATING = "alternating"   # a row's `timing` where its replays alternated with a peer's
@@ -74,8 +68,9 @@ def alternating_order(sides: int, replays: int) -> list[int]:
 
 
 def time_graphs_alternating(fns: list, replays: int = 50, inner: int = 10, warmup: int = 3) -> list[dict]:
-    """time_graph for several functions compared in one run: each captured into its own CUDA
-    graph, then their replays timed one at a time in alternating_order; a summary a function."""
+    """Device time per call of several functions compared in one run: each captured `inner`
+    times into its own CUDA graph, replayed once, then their replays timed by events one at a
+    time in alternating_order; a summary a function."""
     import torch
 
     graphs = [capture_graph(fn, inner=inner, warmup=warmup)[0] for fn in fns]
