@@ -7,6 +7,7 @@ import pathlib
 
 from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
+from .timing import ALTERNATING
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -48,8 +49,10 @@ def summary(results_dir) -> str:
     m = flashmla_ratio(v) if v is not None else None
     if m is not None:
         ratio = m.ratio
+        clock = (", their replays alternating: both at the clock the pair holds"
+                 if "timing" in v and (v["timing"] == ALTERNATING).any() else "")
         lines += [f"Verify attention against FlashMLA's dense decode on the same inputs ({len(m)} shapes, "
-                  f"page size 64): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
+                  f"page size 64{clock}): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
     if v is not None and {1, 64} <= set(v.page_size):
         keys = [c for c in VERIFY_KEYS if c != "page_size"]  # the same shape at both page sizes

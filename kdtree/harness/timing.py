@@ -59,8 +59,9 @@ ALTERNATING = "alternating"   # a row's `timing` where its replays alternated wi
 
 def alternating_order(sides: int, replays: int) -> list[int]:
     """Which side each timed replay runs: every side in turn, the order reversed every other
-    round (A B, B A, A B, ...), so that a drift over the timing (the board warming towards its
-    power limit within seconds) falls on every side alike. `replays` rounds."""
+    round (A B, B A, A B, ...), so that every side runs at the clock the sides hold together:
+    a board at its power limit sets one clock for the mix, where a side timed alone would
+    settle at its own (docs/kernels/verify_attention.md, session 48). `replays` rounds."""
     order = []
     for r in range(replays):
         order.extend(range(sides) if r % 2 == 0 else range(sides - 1, -1, -1))
