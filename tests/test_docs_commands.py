@@ -62,6 +62,8 @@ COVERED = {
     "scripts/ab_compare.py OUT BASE": ("pattern", "test_ab_compare_takes_every_side_against_the_base"),
     "scripts/verify_order.py": ("gpu", "the order probe in docs/kernels/verify_attention.md (session 47), run on "
                                        "the H200"),
+    "scripts/verify_clock_probe.py": ("gpu", "the clock probe in docs/kernels/verify_attention.md (session 48), "
+                                             "run on the H200"),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
     "scripts/split_scan.py --batches 1": ("gpu", "session 34's batch-1 scan in docs/kernels/verify_attention.md, "
                                                  "run on the H200"),
