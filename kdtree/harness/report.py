@@ -158,7 +158,7 @@ def sustained_section(d: pd.DataFrame) -> list[str]:
         columns={"median_us": "sustained_us", "power_capped": "power-capped share"})
     t.insert(t.columns.get_loc("sustained_us") + 1, "sustained / burst", t["sustained_us"] / t["burst_us"])
     parts = ["## Verify attention under sustained load", "",
-             "`burst_us`: graph replays after an idle pause, as the verify sweep times them; `sustained_us`: "
+             "`burst_us`: graph replays of the kernel alone after an idle pause; `sustained_us`: "
              "replays back to back once the board has settled; power (W), SM clock (MHz) and temperature are "
              "medians of nvidia-smi samples over the sustained window, the power-capped share the samples the "
              "driver held at the board's power limit.", "", _md(t.sort_values(keys + ["impl"])), ""]

@@ -3,7 +3,8 @@ bursts of graph replays; a decode loop keeps the GPU busy, and an H200 held at l
 its board power limit with a lower SM clock (kdtree.harness.power). Per shape and kernel, on
 the same inputs (page size 64, cache copies rotated past the L2): the burst time after an
 idle pause, the time a call once the board has settled, and the board's power and SM clock
-while that is timed."""
+while that is timed. Each kernel runs alone here and settles at a clock of its own; the verify
+sweep alternates the two, which then share one (docs/kernels/verify_attention.md, session 48)."""
 from __future__ import annotations
 
 import time
