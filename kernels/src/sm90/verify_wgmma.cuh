@@ -47,6 +47,10 @@ constexpr int Q_BYTES = QK_DIM / 64 * ROWS * BLOCK_BYTES;   // 73,728
 constexpr int KV_BYTES = QK_DIM / 64 * KEYS * BLOCK_BYTES;  // 73,728
 constexpr int P_BYTES = ROWS * KEYS * 2;                    // 8,192
 constexpr int STAGES = 2;
+#ifndef KD_VERIFY_PV_EARLY
+#define KD_VERIFY_PV_EARLY 0  // A/B builds: 1, the PVs of keys 0-31 issued before keys 32-63 are exponentiated
+#endif
+constexpr bool PV_EARLY = KD_VERIFY_PV_EARLY;
 constexpr size_t SMEM_BYTES = 1024 /* alignment slack */ + Q_BYTES + STAGES * KV_BYTES + P_BYTES +
                               4 * ROWS * sizeof(float);
 static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "layout as the host sizes it");
@@ -299,7 +303,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
   // still be landing; warpgroup 1 reads the tile only after P_READY. The named barriers
   // alone keep the warpgroups within one tile.
-  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3;
+  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5;
   for (int it = 0; it < ntiles; ++it) {
     const uint32_t parity = (it >> 1) & 1;
     if constexpr (!TMA) {
@@ -310,9 +314,35 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
     const int k0 = k_begin + it * KEYS;
     float alpha[2];
+    float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's
+    // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
+    // -> chunk j; the row sums' terms into sum0 / sum1.
+    const auto exp_chunk = [&](int j) {
+      const float p0 = exp2f(fmaf(s[4 * j], p.scale_log2, -msafe[0]));
+      const float p1 = exp2f(fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]));
+      const float p2 = exp2f(fmaf(s[4 * j + 2], p.scale_log2, -msafe[1]));
+      const float p3 = exp2f(fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]));
+      sum0[j] = p0 + p1;
+      sum1[j] = p2 + p3;
+      const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
+      *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
+      *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
+    };
+    // The row sums as trees, into l_run.
+    const auto add_row_sums = [&]() {
+#pragma unroll
+      for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) { sum0[j] += sum0[j + w]; sum1[j] += sum1[j + w]; }
+      float sum[2] = {sum0[0], sum1[0]};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        sum[h] = quad_sum(sum[h]);
+        l_run[h] = l_run[h] * alpha[h] + sum[h];
+      }
+    };
     if (wg == 0) {
       // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
-      float s[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] = 0.f;
       // PV(it-1) must finish before its key slot is refilled; waiting for it here, not
@@ -359,7 +389,6 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         }
       }
       // Row maxima: rows g (h = 0) and g + 8.
-      float msafe[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mx = quad_max(thread_row_max(s, h)) * p.scale_log2;
@@ -369,36 +398,25 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         m_run[h] = m_new;
       }
       named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
-      // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
-      // -> chunk j; row sums as trees.
-      float sum0[8], sum1[8];
+      if constexpr (PV_EARLY) {
+        // Keys 0-31's P, the factors and O's rescale first: both PVs over those keys then
+        // run while keys 32-63 are exponentiated (after the warpgroups' branches).
+        if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+        rescale_rows(alpha, o_at);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = exp2f(fmaf(s[4 * j], p.scale_log2, -msafe[0]));
-        const float p1 = exp2f(fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]));
-        const float p2 = exp2f(fmaf(s[4 * j + 2], p.scale_log2, -msafe[1]));
-        const float p3 = exp2f(fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]));
-        sum0[j] = p0 + p1;
-        sum1[j] = p2 + p3;
-        const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
-        *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
-        *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
+        for (int j = 0; j < 4; ++j) exp_chunk(j);
+        fence_proxy_async();
+        named_arrive(P_HALF, THREADS);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) exp_chunk(j);
+        add_row_sums();
+        if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+        rescale_rows(alpha, o_at);
+        fence_proxy_async();
+        if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
+        named_arrive(P_READY, THREADS);
       }
-#pragma unroll
-      for (int w = 4; w > 0; w >>= 1)
-#pragma unroll
-        for (int j = 0; j < w; ++j) { sum0[j] += sum0[j + w]; sum1[j] += sum1[j + w]; }
-      float sum[2] = {sum0[0], sum1[0]};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        sum[h] = quad_sum(sum[h]);
-        l_run[h] = l_run[h] * alpha[h] + sum[h];
-      }
-      if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
-      rescale_rows(alpha, o_at);
-      fence_proxy_async();
-      if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
-      named_arrive(P_READY, THREADS);
     } else {
       wgmma_wait<0>();  // this warpgroup's PV(it-1)
       reg_fence(o);
@@ -430,7 +448,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         cp_async_commit();
       }
       if (tid == 128 && it < 10) VSTAMP(6 + 4 * it, clock64());
-      named_sync(P_READY, THREADS);
+      named_sync(PV_EARLY ? P_HALF : P_READY, THREADS);
       // S(it) has read the tile, so this passes at once; it makes the copy visible to
       // this warpgroup's PV as well.
       if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
@@ -441,14 +459,38 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
     // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not waited
     // for here (see above).
+    // PV_EARLY: k-steps 0, 1 (keys 0-31), then warpgroup 0 exponentiates keys 32-63 and
+    // both issue k-steps 2, 3 after P_READY; every step in code both warpgroups run, since
+    // an accumulator in flight across their branches serialises every wgmma (ptxas C7520).
+    constexpr int PV_SPLIT = PV_EARLY ? 2 : KEYS / 16;
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < KEYS / 16; ++kk) {
+    for (int kk = 0; kk < PV_SPLIT; ++kk) {
       wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
                           sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
                                      KEYS * BLOCK_BYTES, 1024));
     }
     wgmma_commit();
+    if constexpr (PV_EARLY) {
+      if (wg == 0) {
+#pragma unroll
+        for (int j = 4; j < 8; ++j) exp_chunk(j);
+        add_row_sums();
+        fence_proxy_async();
+        if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
+        named_arrive(P_READY, THREADS);
+      } else {
+        named_sync(P_READY, THREADS);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kk = PV_SPLIT; kk < KEYS / 16; ++kk) {
+        wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
+                            sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
+                                       KEYS * BLOCK_BYTES, 1024));
+      }
+      wgmma_commit();
+    }
     // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
     // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
     // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
