@@ -47,10 +47,6 @@ constexpr int Q_BYTES = QK_DIM / 64 * ROWS * BLOCK_BYTES;   // 73,728
 constexpr int KV_BYTES = QK_DIM / 64 * KEYS * BLOCK_BYTES;  // 73,728
 constexpr int P_BYTES = ROWS * KEYS * 2;                    // 8,192
 constexpr int STAGES = 2;
-#ifndef KD_VERIFY_PV_EARLY
-#define KD_VERIFY_PV_EARLY 0  // A/B builds: 1, the PVs of keys 0-31 issued before keys 32-63 are exponentiated
-#endif
-constexpr bool PV_EARLY = KD_VERIFY_PV_EARLY;
 constexpr size_t SMEM_BYTES = 1024 /* alignment slack */ + Q_BYTES + STAGES * KV_BYTES + P_BYTES +
                               4 * ROWS * sizeof(float);
 static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "layout as the host sizes it");
@@ -291,9 +287,12 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int slot0 = (m0 + rbase + g) / p.H, slot1 = (m0 + rbase + g + 8) / p.H;
 
   // The tiles flow through a pipeline: PV of tile i is issued without waiting, so the
-  // tensor cores go on from warpgroup 1's PV(i) to S(i+1). Named barriers (ids 1-3, both
+  // tensor cores go on from warpgroup 1's PV(i) to S(i+1). PV(i) is issued in two halves,
+  // keys 0-31 as soon as their P is stored and 32-63 after, so the tensor cores have work
+  // while warpgroup 0 exponentiates the second half. Named barriers (ids 1-3 and 5, both
   // warpgroups) hand the shared buffers over:
-  //   P_READY (1): warpgroup 0 wrote P(i) and the rescale factors;
+  //   P_HALF  (5): warpgroup 0 wrote P(i) of keys 0-31 and the rescale factors;
+  //   P_READY (1): warpgroup 0 wrote the rest of P(i);
   //   KV_FREE (2): warpgroup 0's PV(i-1) finished, so tile i-1's slot may be refilled
   //                (warpgroup 0 arrives for tile i+1 only after P_FREE(i), which
   //                warpgroup 1 arrives after its KV_FREE(i) sync: no generation is
@@ -301,7 +300,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   //   P_FREE  (3): warpgroup 1's PV(i-1) finished, so P may be overwritten.
   // On the TMA path no barrier starts a tile: warpgroup 0 waits on FULL(i % 2) after it
   // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
-  // still be landing; warpgroup 1 reads the tile only after P_READY. The named barriers
+  // still be landing; warpgroup 1 reads the tile only after P_HALF. The named barriers
   // alone keep the warpgroups within one tile.
   constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5;
   for (int it = 0; it < ntiles; ++it) {
@@ -314,7 +313,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
     const int k0 = k_begin + it * KEYS;
     float alpha[2];
-    float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's
+    float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's (S, maxima, row sums)
     // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
     // -> chunk j; the row sums' terms into sum0 / sum1.
     const auto exp_chunk = [&](int j) {
@@ -398,25 +397,13 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         m_run[h] = m_new;
       }
       named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
-      if constexpr (PV_EARLY) {
-        // Keys 0-31's P, the factors and O's rescale first: both PVs over those keys then
-        // run while keys 32-63 are exponentiated (after the warpgroups' branches).
-        if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
-        rescale_rows(alpha, o_at);
+      // Keys 0-31's P, the factors and O's rescale first; keys 32-63 under their PV, below.
+      if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
+      rescale_rows(alpha, o_at);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) exp_chunk(j);
-        fence_proxy_async();
-        named_arrive(P_HALF, THREADS);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) exp_chunk(j);
-        add_row_sums();
-        if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
-        rescale_rows(alpha, o_at);
-        fence_proxy_async();
-        if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
-        named_arrive(P_READY, THREADS);
-      }
+      for (int j = 0; j < 4; ++j) exp_chunk(j);
+      fence_proxy_async();
+      named_arrive(P_HALF, THREADS);
     } else {
       wgmma_wait<0>();  // this warpgroup's PV(it-1)
       reg_fence(o);
@@ -448,7 +435,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         cp_async_commit();
       }
       if (tid == 128 && it < 10) VSTAMP(6 + 4 * it, clock64());
-      named_sync(PV_EARLY ? P_HALF : P_READY, THREADS);
+      named_sync(P_HALF, THREADS);
       // S(it) has read the tile, so this passes at once; it makes the copy visible to
       // this warpgroup's PV as well.
       if constexpr (TMA) mbar_wait(bar_full + 8 * (it & 1), parity);
@@ -456,41 +443,32 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       alpha[1] = sAlpha[rbase + g + 8];
       rescale_rows(alpha, o_at);
     }
-    // O += P V: 4 k-steps of 16 keys. V is the key tile read MN-major: 64-column blocks
-    // 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not waited
-    // for here (see above).
-    // PV_EARLY: k-steps 0, 1 (keys 0-31), then warpgroup 0 exponentiates keys 32-63 and
-    // both issue k-steps 2, 3 after P_READY; every step in code both warpgroups run, since
-    // an accumulator in flight across their branches serialises every wgmma (ptxas C7520).
-    constexpr int PV_SPLIT = PV_EARLY ? 2 : KEYS / 16;
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < PV_SPLIT; ++kk) {
-      wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
-                          sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
-                                     KEYS * BLOCK_BYTES, 1024));
-    }
-    wgmma_commit();
-    if constexpr (PV_EARLY) {
-      if (wg == 0) {
-#pragma unroll
-        for (int j = 4; j < 8; ++j) exp_chunk(j);
-        add_row_sums();
-        fence_proxy_async();
-        if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
-        named_arrive(P_READY, THREADS);
-      } else {
-        named_sync(P_READY, THREADS);
-      }
+    // O += P V: k-steps [first, last) of 16 keys. V is the key tile read MN-major: 64-column
+    // blocks 8 KB apart (leading offset), 8-key groups 1 KB apart (stride offset). Not
+    // waited for here (see above). Both halves are issued where both warpgroups run: an
+    // accumulator in flight across their branches serialises every wgmma (ptxas C7520).
+    const auto pv_steps = [&](int first, int last) {
       wgmma_fence();
 #pragma unroll
-      for (int kk = PV_SPLIT; kk < KEYS / 16; ++kk) {
+      for (int kk = first; kk < last; ++kk) {
         wgmma_m64n256k16_bt(o, sw128_desc(sP + kk * 32, 16, 1024),
                             sw128_desc(sK + wg * 4 * KEYS * BLOCK_BYTES + kk * 16 * BLOCK_BYTES,
                                        KEYS * BLOCK_BYTES, 1024));
       }
       wgmma_commit();
+    };
+    pv_steps(0, 2);  // keys 0-31
+    if (wg == 0) {
+#pragma unroll
+      for (int j = 4; j < 8; ++j) exp_chunk(j);
+      add_row_sums();
+      fence_proxy_async();
+      if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
+      named_arrive(P_READY, THREADS);
+    } else {
+      named_sync(P_READY, THREADS);
     }
+    pv_steps(2, KEYS / 16);  // keys 32-63
     // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
     // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
     // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
