@@ -2,7 +2,9 @@
 other left: per shape, both calls captured once (the verify sweep's inputs: runs tables,
 rotating cache copies, page 64), then replayed in blocks (K x n, F x n, F x n, K x n) and
 one at a time (K F, F K, ...), each replay timed by CUDA events with the SM clock read
-through NVML before it is launched and after it ends. One Parquet row a replay.
+through NVML before it is launched and after it ends (on the H200 that reading held one value
+over tens of replays: the times, not the clock column, carry the result). One Parquet row a
+replay.
 
     python3 scripts/verify_clock_probe.py OUT.parquet [--replays 20]
 """
