@@ -38,6 +38,9 @@ for side in "$@"; do
     [ -n "$(git -C "$dir" status --porcelain 2>/dev/null)" ] && dirty=1
   else commit=unknown; fi
   [ -d "$dir/kdtree" ] || { echo "ab.sh: $dir has no kdtree package (side $name)" >&2; exit 2; }
+  # The sweeps check their config against the schema a checkout keeps here (kdtree/harness/config.py).
+  [ -f "$dir/workflow/schemas/config.schema.yaml" ] || [ -f "$dir/kdtree/_schema/config.schema.yaml" ] \
+    || { echo "ab.sh: $dir has no workflow/schemas/config.schema.yaml (side $name; archive the whole commit)" >&2; exit 2; }
   names+=("$name") dirs+=("$(realpath "$dir")") flags+=("$flag") commits+=("$commit $dirty")
 done
 printf '%s\n' "${names[@]}" > "$out/sides.txt"

@@ -223,6 +223,17 @@ def test_ncu_stalls_launch_names_a_bad_drafter():
     assert r.returncode != 0 and "--drafts: expected one of ('mixed', 'confident'), got 'sure'" in r.stderr
 
 
+def test_ab_sh_refuses_a_side_without_the_config_schema(tmp_path):
+    """A side tree that lacks the schema the sweeps check their config against (a partial
+    `git archive`) is refused before the builds, naming the side, not after them on the GPU."""
+    side = tmp_path / "side"
+    (side / "kdtree").mkdir(parents=True)
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "ab.sh"), str(tmp_path / "out"), f"main={side}", "new=."],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "has no workflow/schemas/config.schema.yaml (side main" in r.stderr
+    assert not (tmp_path / "out" / "build").exists()
+
+
 def test_ab_sh_default_grids_pass_the_sweeps_schema():
     """scripts/ab.sh's default --cfg-json of each sweep is what `kdtree sweep` accepts (a bad
     key or value would only show on the GPU machine, after the builds and tests)."""
