@@ -6,9 +6,8 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
-from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio, write_text_atomic
+from .results import VERIFY_KEYS, alternated, flashmla_ratio, read_ok_rows, sustained_ratio, write_text_atomic
 from .targets import check_targets
-from .timing import ALTERNATING
 
 
 def _num(v, sig: int) -> str:
@@ -139,11 +138,10 @@ def flashmla_section(d: pd.DataFrame) -> list[str]:
         return []
     t = m[VERIFY_KEYS + ["median_us", "median_us_fm", "ratio"]].rename(columns={
         "median_us": "median_us_kdtree", "median_us_fm": "median_us_flashmla", "ratio": "kdtree speed / FlashMLA's"})
-    alternating = "timing" in d and (d["timing"] == ALTERNATING).any()
     order = ("Their graph replays alternate (A B, B A, ...), so both run at the clock the pair holds: where "
              "the board reaches its power limit (batch 16, compute-bound) that compares their cycles, while "
              "each alone settles at a clock of its own (the sustained section below)."
-             if alternating else "kdtree is timed first at each shape, FlashMLA after it.")
+             if alternated(d) else "kdtree is timed first at each shape, FlashMLA after it.")
     return ["## kdtree against FlashMLA (same run, same inputs)", "",
             "FlashMLA's dense bf16 decode (`use_legacy=True`) takes a causal chain mask, kdtree a random tree "
             f"mask; both read the same paged cache (page size 64). {order} Above 1: kdtree is faster.", "",

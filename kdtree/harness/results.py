@@ -12,6 +12,8 @@ import tempfile
 
 import pandas as pd
 
+from .timing import ALTERNATING
+
 
 def ok_rows(df: pd.DataFrame) -> pd.DataFrame:
     """The measured rows of a sweep (failed and skipped points are rows too)."""
@@ -107,6 +109,12 @@ def flashmla_ratio(d: pd.DataFrame, extra: tuple = ()) -> pd.DataFrame | None:
     m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us", *extra]], on=VERIFY_KEYS,
                                            suffixes=("", "_fm"))
     return m.assign(ratio=m.median_us_fm / m.median_us)
+
+
+def alternated(d: pd.DataFrame) -> bool:
+    """Whether these verify rows timed kdtree and FlashMLA in alternating replays (both at the
+    clock the pair holds), not kdtree first (sets before a86e870)."""
+    return "timing" in d and bool((d["timing"] == ALTERNATING).any())
 
 
 def sustained_ratio(d: pd.DataFrame) -> pd.DataFrame | None:

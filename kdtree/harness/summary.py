@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
-from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows, sustained_ratio
+from .results import VERIFY_KEYS, alternated, flashmla_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
-from .timing import ALTERNATING
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
@@ -49,8 +48,7 @@ def summary(results_dir) -> str:
     m = flashmla_ratio(v) if v is not None else None
     if m is not None:
         ratio = m.ratio
-        clock = (", their replays alternating: both at the clock the pair holds"
-                 if "timing" in v and (v["timing"] == ALTERNATING).any() else "")
+        clock = ", their replays alternating: both at the clock the pair holds" if alternated(v) else ""
         lines += [f"Verify attention against FlashMLA's dense decode on the same inputs ({len(m)} shapes, "
                   f"page size 64{clock}): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
