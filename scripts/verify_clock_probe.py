@@ -14,8 +14,7 @@ import ctypes
 import pandas as pd
 import torch
 
-from kdtree import ops
-from kdtree.harness.sweeps.verify_attn import flashmla_calls, flashmla_module, point_inputs, rotation
+from kdtree.harness.sweeps.verify_attn import peer_calls, require_flashmla
 from kdtree.harness.timing import capture_graph
 
 # (batch, D, heads, prefix): power-capped compute-bound shapes, one memory-bound, batch 1.
@@ -47,12 +46,8 @@ def sequences(n: int) -> dict:
 
 
 def probe_shape(fm, clock, B, D, H, P, n) -> list[dict]:
-    cfg = {"seed": 0, "gpu_mem_cap_gb": 80, "graph_inner": 3}
-    (q, cache, table, seq, vis), caches, inner = point_inputs(B, D, H, P, 64, cfg, "runs")
-    out = ops.tree_verify(q, cache, table, seq, vis, SCALE)
-    nxt = rotation(caches)
-    graphs = {"K": capture_graph(lambda: ops.tree_verify(q, nxt(), table, seq, vis, SCALE, out=out), inner=inner)[0],
-              "F": capture_graph(flashmla_calls(fm, q, caches, table, seq, SCALE)(), inner=inner)[0]}
+    kdtree_call, fcalls, inner = peer_calls(fm, B, D, H, P, SCALE)
+    graphs = {"K": capture_graph(kdtree_call(), inner=inner)[0], "F": capture_graph(fcalls(), inner=inner)[0]}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     rows = []
     for mode, seq_ in sequences(n).items():
@@ -76,9 +71,7 @@ def main():
     a.add_argument("out")
     a.add_argument("--replays", type=int, default=20)
     args = a.parse_args()
-    fm = flashmla_module()
-    if fm is None:
-        raise SystemExit("verify_clock_probe: flash_mla does not import (install the sgl-flash-mla wheel)")
+    fm = require_flashmla("verify_clock_probe")
     clock, rows = SmClock(), []
     for (B, D, H, P) in SHAPES:
         rows += probe_shape(fm, clock, B, D, H, P, args.replays)

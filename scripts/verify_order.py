@@ -10,8 +10,7 @@ import argparse
 import pandas as pd
 import torch
 
-from kdtree import ops
-from kdtree.harness.sweeps.verify_attn import flashmla_calls, flashmla_module, point_inputs, rotation
+from kdtree.harness.sweeps.verify_attn import peer_calls, require_flashmla
 from kdtree.harness.timing import time_graph
 
 # (batch, D, heads, prefix): compute-bound shapes where FlashMLA leads, memory-bound D 1, batch 1.
@@ -23,14 +22,7 @@ SCALE = 0.130861
 
 def time_shape(fm, B, D, H, P, rep) -> list[dict]:
     """The shape's timings in ORDER, one row each."""
-    cfg = {"seed": 0, "gpu_mem_cap_gb": 80, "graph_inner": 3}
-    (q, cache, table, seq, vis), caches, inner = point_inputs(B, D, H, P, 64, cfg, "runs")
-    out = ops.tree_verify(q, cache, table, seq, vis, SCALE)
-    fcalls = flashmla_calls(fm, q, caches, table, seq, SCALE)
-
-    def kdtree_call():
-        nxt = rotation(caches)
-        return lambda: ops.tree_verify(q, nxt(), table, seq, vis, SCALE, out=out)
+    kdtree_call, fcalls, inner = peer_calls(fm, B, D, H, P, SCALE)
     rows = []
     for pos, who in enumerate(ORDER):
         t = time_graph(kdtree_call() if who == "K" else fcalls(), replays=10, inner=inner)
@@ -44,9 +36,7 @@ def main():
     a.add_argument("out")
     a.add_argument("--passes", type=int, default=2)
     args = a.parse_args()
-    fm = flashmla_module()
-    if fm is None:
-        raise SystemExit("verify_order: flash_mla does not import (install the sgl-flash-mla wheel)")
+    fm = require_flashmla("verify_order")
     rows = []
     for rep in range(args.passes):
         for (B, D, H, P) in SHAPES:

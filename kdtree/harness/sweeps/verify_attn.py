@@ -98,6 +98,31 @@ def flashmla_calls(fm, q, caches, table, seq, scale):
     return calls
 
 
+def require_flashmla(who: str):
+    """FlashMLA for a probe that times it against kdtree; exits naming `who` where it does not import."""
+    fm = flashmla_module()
+    if fm is None:
+        raise SystemExit(f"{who}: flash_mla does not import (install the sgl-flash-mla wheel)")
+    return fm
+
+
+def peer_calls(fm, B, D, H, P, scale):
+    """kdtree's verify and FlashMLA's dense decode on one shape's sweep inputs (runs tables,
+    page 64, rotating cache copies; seed 0), for the probes that time the two against each
+    other: (a function giving a kdtree call, one giving a FlashMLA call, each over the copies
+    from the first, and the launches a graph replay captures)."""
+    from ... import ops
+
+    cfg = {"seed": 0, "gpu_mem_cap_gb": 80, "graph_inner": 3}
+    (q, cache, table, seq, vis), caches, inner = point_inputs(B, D, H, P, FLASHMLA_PAGE, cfg, "runs")
+    out = ops.tree_verify(q, cache, table, seq, vis, scale)
+
+    def kdtree_call():
+        nxt = rotation(caches)
+        return lambda: ops.tree_verify(q, nxt(), table, seq, vis, scale, out=out)
+    return kdtree_call, flashmla_calls(fm, q, caches, table, seq, scale), inner
+
+
 def flashmla_peer(base: dict, q, caches, table, seq, scale):
     """FlashMLA's dense bf16 decode on the same inputs, as a peer: a causal (chain) mask over
     the D query positions, not the tree's, so the same bytes and nearly the same FLOPs.
