@@ -313,7 +313,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     const uint32_t sK = sKV + (it & 1) * KV_BYTES;
     const int k0 = k_begin + it * KEYS;
     float alpha[2];
-    float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's (S, maxima, row sums)
+    float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's (S, zeroed a tile; maxima; row sums)
     // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
     // -> chunk j; the row sums' terms into sum0 / sum1.
     const auto exp_chunk = [&](int j) {
@@ -342,8 +342,6 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     };
     if (wg == 0) {
       // S = Q K^T: 36 k-steps of 16 columns; within a 128-byte row a step is +32 bytes.
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = 0.f;
       // PV(it-1) must finish before its key slot is refilled; waiting for it here, not
       // after S(it), starts the next tile's copy sooner. wait_group 1 after S would overlap
       // more, but ptxas then serialises every wgmma.
