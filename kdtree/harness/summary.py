@@ -48,7 +48,7 @@ def summary(results_dir) -> str:
     m = flashmla_ratio(v) if v is not None else None
     if m is not None:
         ratio = m.ratio
-        clock = ", their replays alternating: both at the clock the pair holds" if alternated(v) else ""
+        clock = ", replays alternated: one shared clock" if alternated(v) else ""
         lines += [f"Verify attention against FlashMLA's dense decode on the same inputs ({len(m)} shapes, "
                   f"page size 64{clock}): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
