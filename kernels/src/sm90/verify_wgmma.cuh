@@ -35,14 +35,6 @@
 #include "verify_wgmma_paths.cuh"
 #include "wgmma.cuh"
 
-// A/B flags (session 49): PV issued in 2 or 4 parts; warpgroup 0's row sums after P_READY.
-#ifndef KD_VERIFY_PV_PARTS
-#define KD_VERIFY_PV_PARTS 2
-#endif
-#ifndef KD_VERIFY_SUMS_LATE
-#define KD_VERIFY_SUMS_LATE 0
-#endif
-
 namespace kd {
 namespace {
 
@@ -310,8 +302,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
   // still be landing; warpgroup 1 reads the tile only after P_HALF. The named barriers
   // alone keep the warpgroups within one tile.
-  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5, P_PART = 6;
-  constexpr int PV_PARTS = KD_VERIFY_PV_PARTS;
+  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5;
   for (int it = 0; it < ntiles; ++it) {
     const uint32_t parity = (it >> 1) & 1;
     if constexpr (!TMA) {
@@ -408,7 +399,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
       rescale_rows(alpha, o_at);
 #pragma unroll
-      for (int j = 0; j < 8 / PV_PARTS; ++j) exp_chunk(j);
+      for (int j = 0; j < 4; ++j) exp_chunk(j);
       fence_proxy_async();
       named_arrive(P_HALF, THREADS);
     } else {
@@ -464,24 +455,18 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       }
       wgmma_commit();
     };
-    constexpr int PV_STEPS = KEYS / 16 / PV_PARTS, PV_CHUNKS = 8 / PV_PARTS;
-    pv_steps(0, PV_STEPS);  // keys 0-31
+    pv_steps(0, 2);  // keys 0-31
+    if (wg == 0) {
 #pragma unroll
-    for (int q = 1; q < PV_PARTS; ++q) {
-      const int bar = q == PV_PARTS - 1 ? P_READY : P_PART + q - 1;
-      if (wg == 0) {
-#pragma unroll
-        for (int j = q * PV_CHUNKS; j < (q + 1) * PV_CHUNKS; ++j) exp_chunk(j);
-        if (q == PV_PARTS - 1 && !KD_VERIFY_SUMS_LATE) add_row_sums();
-        fence_proxy_async();
-        if (q == PV_PARTS - 1 && tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
-        named_arrive(bar, THREADS);
-      } else {
-        named_sync(bar, THREADS);
-      }
-      pv_steps(q * PV_STEPS, (q + 1) * PV_STEPS);  // keys 32-63
+      for (int j = 4; j < 8; ++j) exp_chunk(j);
+      add_row_sums();
+      fence_proxy_async();
+      if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
+      named_arrive(P_READY, THREADS);
+    } else {
+      named_sync(P_READY, THREADS);
     }
-    if (KD_VERIFY_SUMS_LATE && wg == 0) add_row_sums();
+    pv_steps(2, KEYS / 16);  // keys 32-63
     // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
     // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
     // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
