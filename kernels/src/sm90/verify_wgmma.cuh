@@ -35,15 +35,6 @@
 #include "verify_wgmma_paths.cuh"
 #include "wgmma.cuh"
 
-// A/B flags (session 49): keys 0-31's exponentials against the previous reference, under
-// the maxima (SPEC); half of keys 0-31's exponentials on the FMA pipe (POLY).
-#ifndef KD_VERIFY_SPEC_EXP
-#define KD_VERIFY_SPEC_EXP 0
-#endif
-#ifndef KD_VERIFY_POLY_EXP
-#define KD_VERIFY_POLY_EXP 0
-#endif
-
 namespace kd {
 namespace {
 
@@ -64,19 +55,6 @@ static_assert(SMEM_BYTES == WGMMA_SMEM_BYTES && Q_BYTES == WGMMA_TILE_BYTES, "la
 constexpr int O_STRIDE = V_DIM + 8;
 static_assert(ROWS * O_STRIDE * sizeof(float) <= STAGES * KV_BYTES, "staged O fits the key slots");
 static_assert(WGMMA_MERGE_MAX_SPLITS <= 8, "a portable cluster");  // (the kernel takes up to 8)
-
-// 2^x on the FMA pipe, for x <= 8 (below the slack's bound): 2^floor(x) * 2^f, f in [0, 1),
-// the floor by a round-down add of 1.5 * 2^23 (the integer lands in the low mantissa bits,
-// so the shifted bits add it to the exponent), 2^f by a cubic (relative error < 9e-5,
-// far below bf16's rounding); 0 below 2^-126 (masked keys: -inf).
-__device__ __forceinline__ float exp2_fma(float x) {
-  const float xc = fmaxf(x, -127.f);
-  const float r = __fadd_rd(xc, 12582912.f);
-  const float f = xc - (r - 12582912.f);
-  const float q = fmaf(fmaf(fmaf(0.0770664121f, f, 0.227645702f), f, 0.695116616f), f, 1.f);
-  const float y = __int_as_float(__float_as_int(q) + (__float_as_int(r) << 23));
-  return x > -126.f ? y : 0.f;
-}
 
 // Byte offset of 16-byte chunk `chunk` (0..71) of row `row` in a swizzled tile of `rows`.
 __device__ __forceinline__ uint32_t sw128_offset(int rows, int row, int chunk) {
@@ -338,26 +316,17 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     float s[32] = {}, msafe[2] = {}, sum0[8], sum1[8];  // warpgroup 0's (S, zeroed a tile; maxima; row sums)
     // P = exp2(s * scale - m) (bf16) into its swizzled tile: row r, keys 8j + 2t (+1)
     // -> chunk j; the row sums' terms into sum0 / sum1.
-    uint32_t pk[8];  // SPEC: keys 0-31's P, packed, until stored
-    const auto exp_regs = [&](int j) {
-      const bool fma_pipe = KD_VERIFY_POLY_EXP && j < 4;
+    const auto exp_chunk = [&](int j) {
       const float p0 = exp2f(fmaf(s[4 * j], p.scale_log2, -msafe[0]));
-      const float x1 = fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]);
-      const float p1 = fma_pipe ? exp2_fma(x1) : exp2f(x1);
+      const float p1 = exp2f(fmaf(s[4 * j + 1], p.scale_log2, -msafe[0]));
       const float p2 = exp2f(fmaf(s[4 * j + 2], p.scale_log2, -msafe[1]));
-      const float x3 = fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]);
-      const float p3 = fma_pipe ? exp2_fma(x3) : exp2f(x3);
+      const float p3 = exp2f(fmaf(s[4 * j + 3], p.scale_log2, -msafe[1]));
       sum0[j] = p0 + p1;
       sum1[j] = p2 + p3;
-      pk[(2 * j) & 7] = pack_bf16(p0, p1);
-      pk[(2 * j + 1) & 7] = pack_bf16(p2, p3);
-    };
-    const auto store_chunk = [&](int j) {
       const int r = rbase + g;  // r % 8 == g, (r + 8) % 8 == g
-      *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pk[(2 * j) & 7];
-      *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pk[(2 * j + 1) & 7];
+      *reinterpret_cast<uint32_t*>(gP + r * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p0, p1);
+      *reinterpret_cast<uint32_t*>(gP + (r + 8) * BLOCK_BYTES + ((j ^ g) << 4) + 4 * t) = pack_bf16(p2, p3);
     };
-    const auto exp_chunk = [&](int j) { exp_regs(j); store_chunk(j); };
     // The row sums as trees, into l_run.
     const auto add_row_sums = [&]() {
 #pragma unroll
@@ -416,35 +385,21 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
                        : "memory");
         }
       }
-      if constexpr (KD_VERIFY_SPEC_EXP) {
-        // Keys 0-31's P against the present reference while the maxima are found; redone
-        // in a warp whose reference moved (past the slack: rare once its rows settle).
-#pragma unroll
-        for (int h = 0; h < 2; ++h) msafe[h] = m_run[h] == -INFINITY ? 0.f : m_run[h];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) exp_regs(j);
-      }
       // Row maxima: rows g (h = 0) and g + 8.
-      bool moved = false;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mx = quad_max(thread_row_max(s, h)) * p.scale_log2;
         const float m_new = running_max(m_run[h], mx);
-        moved |= m_new != m_run[h];
         msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
         alpha[h] = exp2f(m_run[h] - msafe[h]);
         m_run[h] = m_new;
-      }
-      if (!KD_VERIFY_SPEC_EXP || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) exp_regs(j);
       }
       named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
       // Keys 0-31's P, the factors and O's rescale first; keys 32-63 under their PV, below.
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
       rescale_rows(alpha, o_at);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) store_chunk(j);
+      for (int j = 0; j < 4; ++j) exp_chunk(j);
       fence_proxy_async();
       named_arrive(P_HALF, THREADS);
     } else {
