@@ -35,12 +35,6 @@
 #include "verify_wgmma_paths.cuh"
 #include "wgmma.cuh"
 
-// A/B flag (session 49): warpgroup 1 issues its last PV half only once warpgroup 0 has
-// issued its own, so warpgroup 0's PV (and then its next S) is not held behind both.
-#ifndef KD_VERIFY_PV2_ORDER
-#define KD_VERIFY_PV2_ORDER 0
-#endif
-
 namespace kd {
 namespace {
 
@@ -308,7 +302,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // has released tile i-1's slot (KV_FREE), so tile i+1 is requested while tile i may
   // still be landing; warpgroup 1 reads the tile only after P_HALF. The named barriers
   // alone keep the warpgroups within one tile.
-  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5, PV2_ISSUED = 6;
+  constexpr int P_READY = 1, KV_FREE = 2, P_FREE = 3, P_HALF = 5;
   for (int it = 0; it < ntiles; ++it) {
     const uint32_t parity = (it >> 1) & 1;
     if constexpr (!TMA) {
@@ -471,10 +465,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       named_arrive(P_READY, THREADS);
     } else {
       named_sync(P_READY, THREADS);
-      if (KD_VERIFY_PV2_ORDER) named_sync(PV2_ISSUED, THREADS);
     }
     pv_steps(2, KEYS / 16);  // keys 32-63
-    if (KD_VERIFY_PV2_ORDER && wg == 0) named_arrive(PV2_ISSUED, THREADS);
     // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
     // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
     // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
