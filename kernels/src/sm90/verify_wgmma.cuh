@@ -35,11 +35,6 @@
 #include "verify_wgmma_paths.cuh"
 #include "wgmma.cuh"
 
-// A/B flag (session 49): PV's first part in k-steps of 16 keys (v20: 2, keys 0-31).
-#ifndef KD_VERIFY_PV_FIRST
-#define KD_VERIFY_PV_FIRST 2
-#endif
-
 namespace kd {
 namespace {
 
@@ -404,7 +399,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       if (t == 0) { sAlpha[rbase + g] = alpha[0]; sAlpha[rbase + g + 8] = alpha[1]; }
       rescale_rows(alpha, o_at);
 #pragma unroll
-      for (int j = 0; j < 2 * KD_VERIFY_PV_FIRST; ++j) exp_chunk(j);
+      for (int j = 0; j < 4; ++j) exp_chunk(j);
       fence_proxy_async();
       named_arrive(P_HALF, THREADS);
     } else {
@@ -460,10 +455,10 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
       }
       wgmma_commit();
     };
-    pv_steps(0, KD_VERIFY_PV_FIRST);  // keys 0-31
+    pv_steps(0, 2);  // keys 0-31
     if (wg == 0) {
 #pragma unroll
-      for (int j = 2 * KD_VERIFY_PV_FIRST; j < 8; ++j) exp_chunk(j);
+      for (int j = 4; j < 8; ++j) exp_chunk(j);
       add_row_sums();
       fence_proxy_async();
       if (tid == 0 && it < 10) VSTAMP(5 + 4 * it, clock64());
@@ -471,7 +466,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
     } else {
       named_sync(P_READY, THREADS);
     }
-    pv_steps(KD_VERIFY_PV_FIRST, KEYS / 16);  // keys 32-63
+    pv_steps(2, KEYS / 16);  // keys 32-63
     // RUNS: a next tile copied by cp.async completes its FULL barrier here, once every
     // thread's copies have landed and are fenced for wgmma (barrier 4: warpgroup 1 alone),
     // while this warpgroup's PV runs; a TMA tile completes it by its bytes.
