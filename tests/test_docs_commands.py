@@ -78,6 +78,8 @@ COVERED = {
                                                                         "confident drafter's trees on the H200"),
     "python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst": ("run", None),
     "scripts/ncu_stalls.py": ("run", None),
+    "scripts/ptx_same.py BASE": ("run", "test_ptx_same_tells_moved_lines_from_changed_code"),
+    "scripts/ptx_same.py HEAD --extra-flags=-DKD_SOME_FLAG=0": ("pattern", "test_ptx_same_tells_moved_lines_from_changed_code"),
     "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
                                               "docs/kernels/verify_attention.md)"),
     "scripts/wgmma_rate.cu": ("gpu", "session 41's step rates on the H200 (docs/kernels/verify_attention.md); "
@@ -254,3 +256,29 @@ def test_ab_sh_default_grids_pass_the_sweeps_schema():
     # The tree build's default is issue 29's definition: both drafters, K = min(budget, 256).
     tb = grids["CFG_TREE_BUILD"]
     assert tb["drafts"] == ["mixed", "confident"] and tb["max_topk"] == 256
+
+
+@pytest.mark.skipif(not (shutil.which("nvcc") or os.environ.get("NVCC") or os.path.exists("/usr/local/cuda/bin/nvcc")),
+                    reason="needs nvcc (CI has it)")
+def test_ptx_same_tells_moved_lines_from_changed_code(tmp_path):
+    """scripts/ptx_same.py: lines added above the code (which move the anonymous-namespace
+    names' tag) leave the PTX the same; a changed constant or a flag that changes code does
+    not; a bad base or source is an error naming the argument."""
+    def run(*args):
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_same.py"), *args],
+                              capture_output=True, text=True, timeout=600, cwd=ROOT)
+    src = "tree_accept_parents.cu"
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "kernels", base / "kernels")
+    text = (base / "kernels" / "src" / src).read_text()
+    (base / "kernels" / "src" / src).write_text("// two lines more\n// above the code\n" + text)
+    r = run(str(base), "--sources", src)
+    assert r.returncode == 0 and "same PTX" in r.stdout, r.stdout + r.stderr
+    assert r.stdout.count(": same") == 3   # compute_90a, compute_120, compute_90
+    (base / "kernels" / "src" / src).write_text(text.replace("AP_THREADS = 256", "AP_THREADS = 128"))
+    r = run(str(base), "--sources", src, "--archs", "sm_90a")
+    assert r.returncode == 1 and "differs" in r.stdout, r.stdout + r.stderr
+    r = run(str(tmp_path / "nothing-here"), "--sources", src)
+    assert r.returncode == 2 and "BASE must be a commit or a folder" in r.stderr
+    r = run(str(base), "--sources", "no_such.cu")
+    assert r.returncode == 2 and "--sources" in r.stderr
