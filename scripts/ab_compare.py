@@ -1,5 +1,7 @@
 """Per-point time ratios of a scripts/ab.sh run: every side against BASE, a point's time the
-median over the rounds (GPU rows only; CPU baselines vary with the host, not the build).
+median over the rounds (GPU rows only; CPU baselines vary with the host, not the build); then
+each round's median ratio, sides against BASE in the same round (how far rounds agree is the
+run's noise).
 
     python3 scripts/ab_compare.py OUT [BASE]
 
@@ -63,6 +65,11 @@ def main(folder: str, base: str | None = None) -> None:
         for col in ratios:
             summary = ratios[col].groupby(level=by).describe()[["count", "min", "50%", "max"]]
             print(f"{col}:\n{summary.round(3).to_string()}\n")
+        rounds = {s: {FILE.match(f.name)["rep"]: side_times([f], sweep) for f in files} for s, files in sides.items()}
+        for s in others:
+            each = [f"round {r}: {(rounds[s][r] / rounds[base][r]).dropna().median():.3f}"
+                    for r in sorted(rounds[s], key=int) if r in rounds[base]]
+            print(f"{s}/{base} by round (median over points): {', '.join(each)}\n")
 
 
 if __name__ == "__main__":

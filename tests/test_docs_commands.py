@@ -170,6 +170,8 @@ def test_ab_compare_takes_every_side_against_the_base(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "new/main" in r.stdout and "gated/main" in r.stdout
     assert "0.905" in r.stdout and "1.238" in r.stdout   # medians over the rounds: 9.5 / 10.5, 13 / 10.5
+    assert "new/main by round (median over points): round 1: 0.900, round 2: 0.909" in r.stdout, r.stdout
+    assert "gated/main by round (median over points): round 1: 1.250, round 2: 1.227" in r.stdout
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ab_compare.py"), str(tmp_path), "new"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "main/new" in r.stdout and "1.105" in r.stdout, r.stdout + r.stderr
