@@ -391,9 +391,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
         const float mx = quad_max(thread_row_max(s, h)) * p.scale_log2;
         const float m_new = running_max(m_run[h], mx);
         msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
-        // No reference yet: O and l are still zero, so 1 leaves them as exact and lets
-        // rescale_rows skip its multiplies (every CTA's first tile).
-        alpha[h] = m_run[h] == -INFINITY ? 1.f : exp2f(m_run[h] - msafe[h]);
+        alpha[h] = exp2f(m_run[h] - msafe[h]);
         m_run[h] = m_new;
       }
       named_sync(P_FREE, THREADS);  // warpgroup 1 has read P(it-1)
