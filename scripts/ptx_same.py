@@ -22,6 +22,7 @@ import tempfile
 from kdtree import build
 
 VIRTUAL = {"sm_90a": "compute_90a", "sm_120": "compute_120", "compute_90": "compute_90"}
+MINE = pathlib.Path(__file__).resolve().parent.parent / "kernels"  # this checkout's, not an installed copy's
 
 
 def anonymous_names_replaced(ptx: str) -> str:
@@ -60,7 +61,7 @@ def base_kernels(base: str, tmp: pathlib.Path) -> pathlib.Path:
     folder = pathlib.Path(base)
     if (folder / "kernels" / "src").is_dir():
         return folder / "kernels"
-    archive = subprocess.run(["git", "archive", base, "kernels"], capture_output=True, cwd=build.KERNELS.parent)
+    archive = subprocess.run(["git", "archive", base, "kernels"], capture_output=True, cwd=MINE.parent)
     if archive.returncode != 0:
         fail(f"BASE must be a commit or a folder holding kernels/src, got {base!r}: "
              f"{archive.stderr.decode().strip()}")
@@ -76,8 +77,8 @@ def main(argv=None) -> int:
     a.add_argument("--sources", nargs="+", help="sources under kernels/src (default: all)")
     a.add_argument("--extra-flags", default="", help="more nvcc flags for this tree, one string")
     args = a.parse_args(argv)
-    mine = build.KERNELS
-    rels = args.sources or [p.relative_to(mine / "src").as_posix() for p in build.sources()]
+    mine = MINE
+    rels = args.sources or sorted(p.relative_to(mine / "src").as_posix() for p in (mine / "src").rglob("*.cu"))
     differ = 0
     with tempfile.TemporaryDirectory() as tmp:
         theirs = base_kernels(args.base, pathlib.Path(tmp))

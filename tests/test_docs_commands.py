@@ -264,8 +264,8 @@ def test_ab_sh_default_grids_pass_the_sweeps_schema():
                     reason="needs nvcc (CI has it)")
 def test_ptx_same_tells_moved_lines_from_changed_code(tmp_path):
     """scripts/ptx_same.py: lines added above the code (which move the anonymous-namespace
-    names' tag) leave the PTX the same; a changed constant or a flag that changes code does
-    not; a bad base or source is an error naming the argument."""
+    names' tag) leave the PTX the same; a changed constant does not; a bad base or source is
+    an error naming the argument."""
     def run(*args):
         return subprocess.run([sys.executable, str(ROOT / "scripts" / "ptx_same.py"), *args],
                               capture_output=True, text=True, timeout=600, cwd=ROOT)
