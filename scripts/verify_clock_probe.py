@@ -74,8 +74,9 @@ def main():
     fm = require_flashmla("verify_clock_probe")
     clock, rows = SmClock(), []
     for (B, D, H, P) in SHAPES:
-        rows += probe_shape(fm, clock, B, D, H, P, args.replays)
-        d = pd.DataFrame(rows[-4 * args.replays - 2 * args.replays:])
+        shape_rows = probe_shape(fm, clock, B, D, H, P, args.replays)
+        rows += shape_rows
+        d = pd.DataFrame(shape_rows)
         print(B, D, H, P, d.groupby(["mode", "impl"])[["us", "mhz_before", "mhz_after"]].median().round(1).to_dict(),
               flush=True)
         torch.cuda.empty_cache()
