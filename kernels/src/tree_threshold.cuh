@@ -1147,8 +1147,11 @@ KD_HD Pivots chain_pivots(int budget) {
 // and more, where the kernel's gate runs it): its tau sits lower, and ranking up to 4x the
 // budget costs less than the raise an overflow would take (docs/kernels/tree_build.md,
 // session 28). At budgets <= 16 both give the TS_MIN_NODES minimum.
+#ifndef KD_TS_WIDE_MULT
+#define KD_TS_WIDE_MULT 2  // A/B builds: the multiple at budgets 65-256
+#endif
 KD_HD int ts_capacity(int budget, bool batched) {
-  const int mult = batched && chain_pivots(budget).squared ? 4 : 2;
+  const int mult = batched && chain_pivots(budget).squared ? 4 : budget > 64 && budget <= 256 ? KD_TS_WIDE_MULT : 2;
   int c = TS_MIN_NODES;
   while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
   return c;
