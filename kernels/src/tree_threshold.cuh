@@ -1143,15 +1143,14 @@ KD_HD Pivots chain_pivots(int budget) {
 }
 
 // Node buffer size for a budget: twice the next power of two (the sort pads to one); four
-// times where the start bound takes one round of squared pivots (`batched`: batches of 16
-// and more, where the kernel's gate runs it): its tau sits lower, and ranking up to 4x the
-// budget costs less than the raise an overflow would take (docs/kernels/tree_build.md,
-// session 28). At budgets <= 16 both give the TS_MIN_NODES minimum.
-#ifndef KD_TS_WIDE_MULT
-#define KD_TS_WIDE_MULT 2  // A/B builds: the multiple at budgets 65-256
-#endif
+// times from batches of 16 (`batched`) up to WIDE_BUFFER_BUDGET, where ranking up to 4x the
+// budget costs less than the raise an overflow would take (budgets 17-64, whose start bound's
+// one round of squared pivots sits lower; 65-128 with two rounds). At budget 256 four times
+// lost at batch 256 (docs/kernels/tree_build.md, sessions 28 and 50). At budgets <= 16 both
+// give the TS_MIN_NODES minimum.
+constexpr int WIDE_BUFFER_BUDGET = 128;
 KD_HD int ts_capacity(int budget, bool batched) {
-  const int mult = batched && chain_pivots(budget).squared ? 4 : budget > 64 && budget <= 256 ? KD_TS_WIDE_MULT : 2;
+  const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? 4 : 2;
   int c = TS_MIN_NODES;
   while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
   return c;
