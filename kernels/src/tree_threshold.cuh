@@ -1144,9 +1144,9 @@ KD_HD Pivots chain_pivots(int budget) {
 
 // Node buffer size for a budget: twice the next power of two (the sort pads to one), four
 // times from batches of 16 (`batched`) up to WIDE_BUFFER_BUDGET: there ranking up to 4x the
-// budget costs less than the raise an overflow takes; above, the larger candidate sets fall
-// to the merge sort on tied bins (docs/kernels/tree_build.md). At budgets <= 16 both give
-// the TS_MIN_NODES minimum.
+// budget costs less than the raise an overflow takes; at budget 256 the larger candidate
+// sets cost more than that at batch 256 (docs/kernels/tree_build.md). At budgets <= 16 both
+// give the TS_MIN_NODES minimum.
 constexpr int WIDE_BUFFER_BUDGET = 128;
 KD_HD int ts_capacity(int budget, bool batched) {
   const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? 4 : 2;
