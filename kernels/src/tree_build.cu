@@ -338,8 +338,7 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   int lp_ld = K < D - 1 ? K : D - 1;
   const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
   int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
-  // From batch 16 (where the kernel's gate runs the start bound) the node buffer is 4x the
-  // budget up to WIDE_BUFFER_BUDGET, else 2x (ts_capacity).
+  // The node buffer's size is ts_capacity's rule, which widens it from batch 16.
   int ts_cap = kd::ts_capacity(D - 1, B >= 16);
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
   if (L > kd::KEY_DEPTH || smem > room) {
