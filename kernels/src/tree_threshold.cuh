@@ -1149,11 +1149,7 @@ KD_HD Pivots chain_pivots(int budget) {
 // where requests share SMs the larger candidate sets cost more (docs/kernels/tree_build.md).
 // At budgets <= 16 both give the TS_MIN_NODES minimum.
 constexpr int WIDE_BUFFER_BUDGET = 128, SPREAD_BUFFER_BUDGET = 256;
-#ifndef KD_SPREAD_MODE
-#define KD_SPREAD_MODE 1  // A/B builds: 0 never spread, 2 always
-#endif
 KD_HD int ts_capacity(int budget, int batch, bool spread) {
-  if (KD_SPREAD_MODE != 1) spread = KD_SPREAD_MODE == 2;
   const int wide = spread ? SPREAD_BUFFER_BUDGET : WIDE_BUFFER_BUDGET;
   const int mult = batch >= 16 && budget <= wide ? 4 : 2;
   int c = TS_MIN_NODES;
@@ -1539,19 +1535,6 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       continue;
     }
     break;
-  }
-#ifndef KD_TRIM_OVER
-#define KD_TRIM_OVER 0  // A/B builds: trim a set of more than this percent of the budget
-#endif
-  if (KD_TRIM_OVER > 0 && !tie && (long long)(le - 1) * 100 > (long long)budget * KD_TRIM_OVER) {
-    // Cut the set to about budget + budget / 4 before the ranks: the nodes scoring >= the
-    // new tau are ancestor-closed and hold every tie at the cut.
-    const double nt = raise_tau(t, le, budget, budget / 4, tid, nthreads);
-    if (nt > tau) {
-      tau = nt;
-      int l0 = le;
-      le = compact(t, le, tau, &l0, tid, nthreads);
-    }
   }
   KD_PROF(2);
   const int nS = le, m = nS - 1;
