@@ -338,14 +338,9 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   int lp_ld = K < D - 1 ? K : D - 1;
   const size_t key_bytes = (size_t)D * kd::KEY_WORDS * sizeof(uint64_t);
   int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
-  // The node buffer's size is ts_capacity's rule; a wide buffer that does not fit (sm_120
-  // at budget 256) gives way to the 2x one, which does.
-  int ts_cap = kd::ts_capacity(D - 1, B, B <= f->sms);
+  // The node buffer's size is ts_capacity's rule, which widens it from batch 16.
+  int ts_cap = kd::ts_capacity(D - 1, B >= 16);
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
-  if (smem > room) {
-    ts_cap = kd::ts_capacity(D - 1, 1, false);
-    smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
-  }
   if (L > kd::KEY_DEPTH || smem > room) {
     // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.
     // Staging buys a faster pop but costs residency: with more requests than SMs, keep
@@ -422,14 +417,13 @@ extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budge
 // pops (parents, ranks, depths [n + 1]) and links (next_token, next_sibling [n + 1]).
 // Returns n, -1 where the selection refused (the kernel then runs the warp loop), -2
 // where the certificate does not hold (unsorted rows, L > 16) or an argument is bad.
-// stats (may be null): {tau raises, candidates sorted}. Its node buffer is that of a
-// batch of 16 whose requests share SMs (ts_capacity).
+// stats (may be null): {tau raises, candidates sorted}.
 extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int budget,
                                         int32_t* parents, int32_t* ranks, int32_t* depths,
                                         int32_t* next_tok, int32_t* next_sib, int32_t* stats) {
   if (L < 0 || K < 0 || budget > 1024 || L > kd::KEY_DEPTH) return -2;
   const int keff = budget < K ? budget : K;
-  const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget, 16, false);
+  const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget, true);
   std::vector<unsigned char> buf(kd::ts_smem_bytes(L, ld, cap) + 16);
   const kd::Threshold t = kd::ts_views(buf.data(), L, ld, cap);
   for (int d = 0; d < L; ++d)

@@ -1143,15 +1143,13 @@ KD_HD Pivots chain_pivots(int budget) {
 }
 
 // Node buffer size for a budget: twice the next power of two (the sort pads to one), four
-// times from batches of 16 up to WIDE_BUFFER_BUDGET, and up to SPREAD_BUFFER_BUDGET where
-// every request has an SM of its own (`spread`): there ranking up to 4x the budget costs
-// less than the raise an overflow takes, since the slowest request sets the launch's time;
-// where requests share SMs the larger candidate sets cost more (docs/kernels/tree_build.md).
-// At budgets <= 16 both give the TS_MIN_NODES minimum.
-constexpr int WIDE_BUFFER_BUDGET = 128, SPREAD_BUFFER_BUDGET = 256;
-KD_HD int ts_capacity(int budget, int batch, bool spread) {
-  const int wide = spread ? SPREAD_BUFFER_BUDGET : WIDE_BUFFER_BUDGET;
-  const int mult = batch >= 16 && budget <= wide ? 4 : 2;
+// times from batches of 16 (`batched`) up to WIDE_BUFFER_BUDGET: there ranking up to 4x the
+// budget costs less than the raise an overflow takes; at budget 256 the larger candidate
+// sets cost more than that at batch 256 (docs/kernels/tree_build.md). At budgets <= 16 both
+// give the TS_MIN_NODES minimum.
+constexpr int WIDE_BUFFER_BUDGET = 128;
+KD_HD int ts_capacity(int budget, bool batched) {
+  const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? 4 : 2;
   int c = TS_MIN_NODES;
   while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
   return c;
