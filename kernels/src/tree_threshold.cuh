@@ -297,12 +297,7 @@ KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
 
 // A threshold whose count among nodes [1, m) is >= budget and at most budget + slack (where
 // the bits allow): about the budget-th best score, an actual score of the set.
-#if defined(KD_LINEAR_RAISE) && KD_LINEAR_RAISE == 2
-#define KD_RAISE_FN __host__ __device__ __noinline__ static  // A/B builds: the raises out of line
-#else
-#define KD_RAISE_FN KD_HD
-#endif
-KD_RAISE_FN double raise_tau(const Threshold& t, int m, int budget, int slack, int tid, int nthreads) {
+KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid, int nthreads) {
   int* hist = t.scratch;
   int* pick = t.scratch + TS_BINS;
   unsigned long long prefix = 0;
@@ -362,7 +357,7 @@ KD_HD int linear_bin(double s, double lo, double scale) {
   const double v = (s - lo) * scale;
   return v <= 0.0 ? 0 : v >= (double)(TS_BINS - 1) ? TS_BINS - 1 : (int)v;
 }
-KD_RAISE_FN double raise_tau_linear(const Threshold& t, int m, int budget, int slack, double lo, int tid, int nthreads) {
+KD_HD double raise_tau_linear(const Threshold& t, int m, int budget, int slack, double lo, int tid, int nthreads) {
   constexpr int MAX_PASSES = 3;
   int* hist = t.scratch;
   int* pick = t.scratch + TS_BINS;
