@@ -346,70 +346,6 @@ KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid
   return tau;
 }
 
-#ifndef KD_LINEAR_RAISE
-#define KD_LINEAR_RAISE 0  // A/B builds: raise_tau's pick by linear bins first
-#endif
-// raise_tau's pick by TS_BINS linear bins over the scores' range [lo, score[1]] (all nodes
-// [1, m) score >= lo), then over the picked bin's own range: scores spread over the range,
-// so one or two passes meet the slack where the 64-bit radix takes four to eight. Exact
-// ties end it too (a bin of one score); else after MAX passes the radix pick runs.
-KD_HD int linear_bin(double s, double lo, double scale) {
-  const double v = (s - lo) * scale;
-  return v <= 0.0 ? 0 : v >= (double)(TS_BINS - 1) ? TS_BINS - 1 : (int)v;
-}
-KD_HD double raise_tau_linear(const Threshold& t, int m, int budget, int slack, double lo, int tid, int nthreads) {
-  constexpr int MAX_PASSES = 3;
-  int* hist = t.scratch;
-  int* pick = t.scratch + TS_BINS;
-  unsigned long long* range = t.minkey;  // two slots: the picked bin's lowest and highest key
-  unsigned long long klo = 0, khi = ~0ull;
-  double blo = lo, bhi = t.score[1];
-  int need = budget;
-  for (int pass = 0; pass < MAX_PASSES; ++pass) {
-    const double scale = bhi > blo ? (double)TS_BINS / (bhi - blo) : 0.0;
-    for (int i = tid; i < TS_BINS; i += nthreads) hist[i] = 0;
-    if (tid == 0) { range[0] = ~0ull; range[1] = 0; }
-    KD_BARRIER();
-    for (int i = 1 + tid; i < m; i += nthreads) {
-      const unsigned long long u = order_key(t.score[i]);
-      const bool in = u >= klo && u <= khi;
-      const int bin = linear_bin(t.score[i], blo, scale);
-#ifdef __CUDA_ARCH__
-      const unsigned active = __activemask();
-      const unsigned peers = __match_any_sync(active, in ? bin : -1);
-      if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-#else
-      if (in) smem_add(&hist[bin], 1);
-#endif
-    }
-    KD_BARRIER();
-    radix_pick(hist, need, pick, tid);
-    KD_BARRIER();
-    const int bin = pick[0], above = pick[1], in_bin = hist[bin];
-    need -= above;
-    for (int i = 1 + tid; i < m; i += nthreads) {
-      const unsigned long long u = order_key(t.score[i]);
-      if (u >= klo && u <= khi && linear_bin(t.score[i], blo, scale) == bin) {
-#ifdef __CUDA_ARCH__
-        atomicMin(&range[0], u);
-        atomicMax(&range[1], u);
-#else
-        if (u < range[0]) range[0] = u;
-        if (u > range[1]) range[1] = u;
-#endif
-      }
-    }
-    KD_BARRIER();
-    klo = range[0];
-    khi = range[1];
-    KD_BARRIER();  // hist, pick and range are rewritten next pass
-    if (in_bin - need <= slack || klo == khi) return from_order_key(klo);
-    blo = from_order_key(klo);
-    bhi = from_order_key(khi);
-  }
-  return raise_tau(t, m, budget, slack, tid, nthreads);
-}
-
 // Keep nodes [0, end) scoring >= tau, in order, parents remapped; returns how many.
 // *lb (a level start inside [0, end)) becomes its new index.
 KD_HD int compact(const Threshold& t, int end, double tau, int* lb, int tid, int nthreads) {
@@ -1525,8 +1461,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         if (++raises > TS_MAX_RAISES) return -1;
         double nt = KD_LEVEL_RAISE && total > LEVEL_RAISE_OVER * room && le - lb <= LEVEL_RAISE_MAX
                         ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
-        if (!(nt > tau)) nt = KD_LINEAR_RAISE ? raise_tau_linear(t, cap, budget, (cap - budget) / 2, tau, tid, nthreads)
-                                        : raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
+        if (!(nt > tau)) nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
         KD_PROF(21);
