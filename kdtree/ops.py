@@ -34,6 +34,12 @@ def cuda_device(device=None) -> torch.device:
     dev = torch.device("cuda") if device is None else torch.device(device)
     if dev.type != "cuda":
         raise InputError(f"device: expected a CUDA device, got {dev}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise InputError(f"device: expected a CUDA device, but torch {torch.__version__} sees none "
+                         "(a CPU build of torch, or no GPU visible to this process)")
+    if dev.index is not None and dev.index >= n:
+        raise InputError(f"device: expected cuda:0 to cuda:{n - 1}, got {dev}")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 

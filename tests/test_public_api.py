@@ -74,6 +74,22 @@ def test_torch_ops_name_the_argument_on_cpu_tensors():
                                      torch.ones(1, 2, 2, dtype=torch.bool), 0.1)
 
 
+def test_verify_plan_without_a_gpu_names_the_device():
+    """A plan made where torch sees no GPU says so, not torch's own assertion."""
+    import kdtree
+    from kdtree import InputError
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        with pytest.raises(InputError, match=f"device: expected cuda:0 to cuda:{n - 1}, got cuda:{n}"):
+            kdtree.TreeVerifyPlan(1, 5, 8, page_size=64, max_pages=4, device=f"cuda:{n}")
+    else:
+        with pytest.raises(InputError, match="device: expected a CUDA device, but torch .* sees none"):
+            kdtree.TreeVerifyPlan(1, 5, 8, page_size=64, max_pages=4)
+    with pytest.raises(InputError, match="device: expected a CUDA device, got cpu"):
+        kdtree.TreeVerifyPlan(1, 5, 8, page_size=64, max_pages=4, device="cpu")
+
+
 def test_gpu_test_gate_fails_when_nothing_ran():
     row = lambda outcome: {"test_id": "t", "outcome": outcome, "duration_s": 0.0, "message": "no CUDA device"}
     assert gate([], 5) == 1                                   # none collected
