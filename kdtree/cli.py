@@ -68,7 +68,25 @@ def _require_tests(path):
                  f"e.g. {bad.test_id.iloc[0]}")
 
 
+def _writable(cmd: str, path, folder: bool = False, name: str = "out") -> None:
+    """An output file (or folder) this run can write, made where missing, or a clear exit
+    before any work."""
+    from .harness.results import check_folder, check_output
+    try:
+        if folder:
+            try:
+                pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"{name}: cannot make folder {path}: {e.strerror or e}") from None
+            check_folder(path, name)
+        else:
+            check_output(path, make_parent=True)
+    except ValueError as e:
+        sys.exit(f"{cmd}: {e}")
+
+
 def cmd_sweep(args):
+    _writable("sweep", args.out)
     if args.pin_gpu and not args.cpu_only:
         from .harness.gpu import claim_gpu
         claim_gpu()
@@ -94,6 +112,7 @@ def cmd_sweep(args):
 
 
 def cmd_test_gpu(args):
+    _writable("test-gpu", args.out)
     if args.pin_gpu:
         from .harness.gpu import claim_gpu
         claim_gpu()
@@ -112,6 +131,7 @@ def _results_folder(cmd: str, folder) -> None:
 
 def cmd_figures(args):
     _results_folder("figures", args.results)
+    _writable("figures", args.out or pathlib.Path(args.results) / "figures", folder=True)
     from .harness.figures import render_all
     skipped = render_all(args.results, args.out, args.kernel_times, only=args.figure)
     for s in skipped:
@@ -120,6 +140,9 @@ def cmd_figures(args):
 
 def cmd_report(args):
     _results_folder("report", args.results)
+    _writable("report", args.out)
+    if args.figures:
+        _writable("report", args.figures, folder=True, name="figures")
     from .harness.figures import render_all
     from .harness.report import render
     skipped = render_all(args.results, args.figures, args.kernel_times, only=args.figure) if args.figures else []
@@ -130,6 +153,7 @@ def cmd_report(args):
 def cmd_gather(args):
     import pandas as pd
     from .harness.results import write_parquet_atomic
+    _writable("gather", args.out)
     missing = [p for p in args.shards if not pathlib.Path(p).is_file()]
     if missing:
         sys.exit(f"gather: shard {missing[0]} not found ({len(missing)} of {len(args.shards)} missing; "

@@ -42,6 +42,37 @@ def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
     assert not list(tmp_path.glob("*.parquet")) and not (tmp_path / "r.md").exists()
 
 
+@pytest.mark.parametrize("argv,needle", [
+    (["sweep", "tree-build", "--cpu-only", "--out", "{tmp}/afile/s.parquet"], "sweep: out: {tmp}/afile is not a folder"),
+    (["sweep", "tree-build", "--cpu-only", "--out", "{tmp}"], "sweep: out: {tmp} is a folder; expected a file path"),
+    (["sweep", "tree-build", "--cpu-only", "--out", "/proc/self/s.parquet"], "sweep: out: cannot write in /proc/self"),
+    (["test-gpu", "--out", "{tmp}/afile/t.parquet"], "test-gpu: out: {tmp}/afile is not a folder"),
+    (["gather", "--out", "{tmp}/afile/g.parquet", "{tmp}/s0.parquet"], "gather: out: {tmp}/afile is not a folder"),
+    (["report", "--results", "{tmp}", "--out", "{tmp}/afile/r.md"], "report: out: {tmp}/afile is not a folder"),
+    (["report", "--results", "{tmp}", "--out", "{tmp}/r.md", "--figures", "{tmp}/afile/f"],
+     "report: figures: cannot make folder {tmp}/afile/f"),
+    (["figures", "--results", "{tmp}", "--out", "{tmp}/afile/f"], "figures: out: cannot make folder {tmp}/afile/f"),
+])
+def test_an_unwritable_output_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
+    """A sweep or a GPU test run can take an hour: its output path is checked first."""
+    import kdtree.harness.figures
+    import kdtree.harness.sweeps
+    import kdtree.tools.gpu_tests
+
+    def started(*a, **k):
+        raise AssertionError("the work started before the output path was checked")
+    for mod, name in ((kdtree.harness.sweeps, "load"), (kdtree.tools.gpu_tests, "run_gpu_tests"),
+                      (kdtree.harness.figures, "render_all")):
+        monkeypatch.setattr(mod, name, started)
+    (tmp_path / "afile").write_text("x")
+    pd.DataFrame({"x": [0]}).to_parquet(tmp_path / "s0.parquet")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, text = run(argv, capsys)
+    assert code not in (0, None), text
+    assert needle.replace("{tmp}", str(tmp_path)) in text, text
+    assert "Traceback" not in text and not (tmp_path / "r.md").exists()
+
+
 def test_every_sweep_default_passes_its_schema_section():
     for section in DEFAULTS:
         _cfg(argparse.Namespace(cfg_json=None), section)   # raises InputError if the table drifted

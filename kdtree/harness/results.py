@@ -26,6 +26,39 @@ def read_ok_rows(path) -> pd.DataFrame | None:
     return ok_rows(pd.read_parquet(path)) if path.exists() else None
 
 
+def check_output(path, make_parent: bool = False) -> None:
+    """Refuse an output file that cannot be written, before any work: a folder, a parent
+    that is missing (made where make_parent) or not a folder, or one this user cannot
+    write. Raises ValueError naming `out`."""
+    path = pathlib.Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise ValueError(f"out: {path} is a folder; expected a file path")
+    if make_parent and not parent.exists():
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"out: cannot make folder {parent}: {e.strerror or e}") from None
+    check_folder(parent, "out", f"folder {parent}")
+
+
+def check_folder(folder, name: str, what: str | None = None) -> None:
+    """A folder that exists (or is made) and this user can write in; ValueError naming
+    `name` otherwise."""
+    folder = pathlib.Path(folder)
+    what = what or str(folder)
+    if not folder.exists():
+        raise ValueError(f"{name}: {what} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"{name}: {folder} is not a folder")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".kdtree.", suffix=".check")
+    except OSError as e:
+        raise ValueError(f"{name}: cannot write in {folder}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def write_atomic(path, write) -> None:
     """write(tmp_path) into a temporary file beside `path`, then one rename: a reader sees
     the old file or the whole new one. Mode 0644, as the committed results have (mkstemp

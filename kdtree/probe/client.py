@@ -16,10 +16,8 @@ import asyncio
 import hashlib
 import json
 import math
-import os
 import pathlib
 import statistics
-import tempfile
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field, replace
@@ -27,7 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 import pandas as pd
 
 from ..harness.provenance import new_run_id, provenance
-from ..harness.results import write_parquets_atomic
+from ..harness.results import check_output, write_parquets_atomic
 from . import add_arguments  # noqa: F401  (the CLI's arguments live beside the package's doc)
 
 BUILTIN_PROMPTS = [  # varied lengths: code, math, chat
@@ -97,25 +95,6 @@ def check_url(url: str) -> None:
         raise ValueError(f"url: expected http(s)://host:port, got {url!r}")
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"url: port {port} out of range 1-65535 in {url!r}")
-
-
-def check_output(path) -> None:
-    """Refuse an output path that cannot be written before any request is sent: a folder,
-    a missing or non-folder parent, or a parent this user cannot write."""
-    path = pathlib.Path(path)
-    parent = path.parent
-    if path.is_dir():
-        raise ValueError(f"out: {path} is a folder; expected a file path ending in .parquet")
-    if not parent.exists():
-        raise ValueError(f"out: folder {parent} does not exist")
-    if not parent.is_dir():
-        raise ValueError(f"out: {parent} is not a folder")
-    try:
-        fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=".check")
-    except OSError as e:
-        raise ValueError(f"out: cannot write in {parent}: {e.strerror or e}") from None
-    os.close(fd)
-    os.unlink(tmp)
 
 
 def load_prompts(path: str | None) -> list[str]:
