@@ -49,6 +49,9 @@ def _cfg(args, section: str) -> dict:
 def cmd_build(args):
     import subprocess
     from .build import DEFAULT_ARCHS, build
+    if args.jobs is not None and args.jobs < 1:
+        sys.exit(f"kdtree build: jobs: expected an integer >= 1, got {args.jobs}")
+    _writable("kdtree build", args.build_dir, folder=True, name="build_dir")
     try:
         path = build(args.build_dir, tuple(args.archs or DEFAULT_ARCHS), jobs=args.jobs,
                      extra_flags=tuple(args.extra_flags.split()) if args.extra_flags else ())
@@ -203,6 +206,7 @@ def cmd_config_doc(args):
 
 def cmd_readme(args):
     from .harness.summary import render_readme
+    _results_folder("readme", args.results)
     out = pathlib.Path("README.md")
     if not out.is_file():
         sys.exit("readme: run it in the repository root (README.md not found)")

@@ -32,6 +32,8 @@ def run(argv, capsys):
     (["report", "--results", "{tmp}/nonexistent", "--out", "{tmp}/r.md"], "no such folder"),
     (["report", "--results", "{tmp}", "--out", "{tmp}/r.md"], "no Parquet files there"),
     (["figures", "--results", "{tmp}/nonexistent"], "no such folder"),
+    (["readme", "--results", "{tmp}/nonexistent", "--check"], "readme: --results {tmp}/nonexistent: no such folder"),
+    (["build", "--build-dir", "{tmp}/b", "--jobs", "0"], "jobs: expected an integer >= 1, got 0"),
 ])
 def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
@@ -52,6 +54,7 @@ def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
     (["report", "--results", "{tmp}", "--out", "{tmp}/r.md", "--figures", "{tmp}/afile/f"],
      "report: figures: cannot make folder {tmp}/afile/f"),
     (["figures", "--results", "{tmp}", "--out", "{tmp}/afile/f"], "figures: out: cannot make folder {tmp}/afile/f"),
+    (["build", "--build-dir", "{tmp}/afile/b"], "kdtree build: build_dir: cannot make folder {tmp}/afile/b"),
 ])
 def test_an_unwritable_output_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
     """A sweep or a GPU test run can take an hour: its output path is checked first."""
@@ -61,8 +64,9 @@ def test_an_unwritable_output_is_refused_before_any_work(tmp_path, capsys, monke
 
     def started(*a, **k):
         raise AssertionError("the work started before the output path was checked")
+    import kdtree.build
     for mod, name in ((kdtree.harness.sweeps, "load"), (kdtree.tools.gpu_tests, "run_gpu_tests"),
-                      (kdtree.harness.figures, "render_all")):
+                      (kdtree.harness.figures, "render_all"), (kdtree.build, "build")):
         monkeypatch.setattr(mod, name, started)
     (tmp_path / "afile").write_text("x")
     pd.DataFrame({"x": [0]}).to_parquet(tmp_path / "s0.parquet")
