@@ -43,8 +43,8 @@ def check_output(path, make_parent: bool = False) -> None:
 
 
 def check_folder(folder, name: str, what: str | None = None) -> None:
-    """A folder that exists (or is made) and this user can write in; ValueError naming
-    `name` otherwise."""
+    """A folder that exists and this user can write in; ValueError naming `name`
+    otherwise (`what`: how the message calls a missing one)."""
     folder = pathlib.Path(folder)
     what = what or str(folder)
     if not folder.exists():
