@@ -77,11 +77,7 @@ def _writable(cmd: str, path, folder: bool = False, name: str = "out") -> None:
     from .harness.results import check_folder, check_output
     try:
         if folder:
-            try:
-                pathlib.Path(path).mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ValueError(f"{name}: cannot make folder {path}: {e.strerror or e}") from None
-            check_folder(path, name)
+            check_folder(path, name, make=True)
         else:
             check_output(path, make_parent=True)
     except ValueError as e:
@@ -134,9 +130,10 @@ def _results_folder(cmd: str, folder) -> None:
 
 def cmd_figures(args):
     _results_folder("figures", args.results)
-    _writable("figures", args.out or pathlib.Path(args.results) / "figures", folder=True)
+    out = args.out or pathlib.Path(args.results) / "figures"  # render_all's default too
+    _writable("figures", out, folder=True)
     from .harness.figures import render_all
-    skipped = render_all(args.results, args.out, args.kernel_times, only=args.figure)
+    skipped = render_all(args.results, out, args.kernel_times, only=args.figure)
     for s in skipped:
         print(f"figures: skipped {s}")
 

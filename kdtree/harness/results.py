@@ -34,19 +34,19 @@ def check_output(path, make_parent: bool = False) -> None:
     parent = path.parent
     if path.is_dir():
         raise ValueError(f"out: {path} is a folder; expected a file path")
-    if make_parent and not parent.exists():
-        try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"out: cannot make folder {parent}: {e.strerror or e}") from None
-    check_folder(parent, "out", f"folder {parent}")
+    check_folder(parent, "out", make=make_parent, what=f"folder {parent}")
 
 
-def check_folder(folder, name: str, what: str | None = None) -> None:
-    """A folder that exists and this user can write in; ValueError naming `name`
-    otherwise (`what`: how the message calls a missing one)."""
+def check_folder(folder, name: str, make: bool = False, what: str | None = None) -> None:
+    """A folder that exists (made first where `make`) and this user can write in;
+    ValueError naming `name` otherwise (`what`: how the message calls a missing one)."""
     folder = pathlib.Path(folder)
     what = what or str(folder)
+    if make and not folder.exists():
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"{name}: cannot make folder {folder}: {e.strerror or e}") from None
     if not folder.exists():
         raise ValueError(f"{name}: {what} does not exist")
     if not folder.is_dir():
