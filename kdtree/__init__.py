@@ -26,6 +26,17 @@ try:
 except _metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
     __version__ = "0.2.0+checkout"
 
+
+
+def __getattr__(name: str):
+    """``kdtree.sglang`` on first use, as the README writes it (``import kdtree`` alone does
+    not load the drop-in: importing it with ``KDTREE_SGLANG=1`` patches a worker)."""
+    if name == "sglang":
+        import importlib
+        return importlib.import_module(".sglang", __name__)
+    raise AttributeError(f"module 'kdtree' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__", "InputError", "STATUS_BUDGET_CLAMPED", "STATUS_NAN_INPUT", "STATUS_WARP_LOOP",
     "VERIFY_KERNELS", "TreeAcceptResult", "TreeBuildResult", "TreeVerifyPlan", "TreeVerifyResult",

@@ -3,6 +3,8 @@ and (in CI, KDTREE_EXPECT_INSTALLED=1) a package installed from the checkout, no
 checkout itself."""
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -21,6 +23,18 @@ def test_every_public_name_resolves():
     # one naming scheme: the three ops and their references
     for op in ("tree_build", "tree_verify", "tree_accept"):
         assert callable(getattr(kdtree, op)) and callable(getattr(kdtree, op + "_ref"))
+
+
+def test_sglang_drop_in_is_an_attribute_after_import_kdtree():
+    """README's `kdtree.sglang.patch()` works after `import kdtree` alone (a fresh interpreter:
+    another test's import of kdtree.sglang would set the attribute); other names still fail."""
+    code = ("import kdtree, sys; assert 'kdtree.sglang' not in sys.modules; "
+            "assert callable(kdtree.sglang.patch) and callable(kdtree.sglang.VerifyAttention)\n"
+            "try:\n    kdtree.sglang_\nexcept AttributeError as e:\n    assert \"'sglang_'\" in str(e)\n"
+            "else:\n    raise SystemExit('kdtree.sglang_ resolved')")
+    env = {k: v for k, v in os.environ.items() if k != "KDTREE_SGLANG"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 @pytest.mark.skipif(os.environ.get("KDTREE_EXPECT_INSTALLED") != "1", reason="only where CI installed kdtree")
