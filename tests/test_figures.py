@@ -51,6 +51,16 @@ def test_reference_figures_are_readable(captured, name):
     check_readable(captured[-1])
 
 
+@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained"])
+def test_a_grid_of_one_batch_renders(captured, name):
+    """A user's grid with one batch (the smoke preset's on a GPU, FlashMLA installed: the peer
+    panel's dodge divided by the batches less one) still draws every figure."""
+    d = pd.read_parquet(REF / f"{name}.parquet")
+    one = d[d.batch == d.batch.min()] if "batch" in d else d
+    getattr(figures, name)(one, "unused.png")
+    check_readable(captured[-1])
+
+
 def test_each_batch_has_its_own_colour(captured):
     figures.tree_build(pd.read_parquet(REF / "tree_build.parquet"), "unused.png")
     leg = captured[-1].axes[0].get_legend()

@@ -122,7 +122,9 @@ def verify_attn(df: pd.DataFrame, path):
     axes[1].tick_params(axis="x", rotation=45)
     _legend_outside(axes[1])
     if peer is not None:
-        sns.pointplot(peer, x="shape", y="ratio", hue="batch", ax=axes[2], estimator="median", errorbar=("pi", 100), dodge=0.3,
+        # dodge only between batches: seaborn divides it by the batches less one
+        dodge = 0.3 if peer.batch.nunique() > 1 else False
+        sns.pointplot(peer, x="shape", y="ratio", hue="batch", ax=axes[2], estimator="median", errorbar=("pi", 100), dodge=dodge,
                       linestyles="none", markers="o", **{k: v for k, v in _batch_hue(peer).items() if k != "hue"})
         axes[2].axhline(1.0, color="grey", ls=":", lw=1)
         axes[2].set(ylabel="FlashMLA time / kdtree time", title="Against FlashMLA on the same inputs "
