@@ -177,16 +177,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 #ifndef KD_CHAIN_GATE
 #define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always
 #endif
-#if defined(KD_CHAIN_SKIP_MAX)  // A/B builds: budgets up to this take no batch-gated chain bound
-  const bool chain_start = KD_CHAIN_GATE == 2 ||
-                           (KD_CHAIN_GATE == 1 && (keff < budget || (budget > KD_CHAIN_SKIP_MAX &&
-                                                   (batch >= 64 || (batch >= 16 && budget >= 64) ||
-                                                    (batch >= 4 && budget >= 1024)))));
-#else
   const bool chain_start = KD_CHAIN_GATE == 2 ||
                            (KD_CHAIN_GATE == 1 && (keff < budget || batch >= 64 || (batch >= 16 && budget >= 64) ||
                                                    (batch >= 4 && budget >= 1024)));
-#endif
   // From batch 16 a deep tree's raise would set the batch's time at any budget.
   const int start = chain_start ? START_ALWAYS : KD_CHAIN_GATE == 1 && batch >= 16 ? START_DEEP : START_NONE;
   if (threshold && !uncertified)

@@ -1148,11 +1148,8 @@ KD_HD Pivots chain_pivots(int budget) {
 // sets cost more than that at batch 256 (docs/kernels/tree_build.md). At budgets <= 16 both
 // give the TS_MIN_NODES minimum.
 constexpr int WIDE_BUFFER_BUDGET = 128;
-#ifndef KD_WIDE_MULT
-#define KD_WIDE_MULT 4  // A/B builds: the batched buffer's multiple
-#endif
 KD_HD int ts_capacity(int budget, bool batched) {
-  const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? KD_WIDE_MULT : 2;
+  const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? 4 : 2;
   int c = TS_MIN_NODES;
   while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
   return c;
@@ -1551,10 +1548,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   long_keys = block_any(long_keys);  // and the barrier before the ranks
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-#ifndef KD_RANK_COUNT_MAX
-#define KD_RANK_COUNT_MAX RANK_SORT_MAX  // A/B builds: bucket ranks from here
-#endif
-  const bool ranked = m <= KD_RANK_COUNT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
+  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, !long_keys, tid, nthreads);
   if (ranked) {
     KD_PROF(4);
