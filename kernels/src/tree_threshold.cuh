@@ -684,10 +684,12 @@ __device__ __forceinline__ int count_before(const Threshold& t, int q0, int q1, 
   return better;
 }
 
-constexpr int RANK_SORT_MAX = 256;  // above, the merge sort's m log^2 m wins (docs/kernels/tree_build.md)
+// rank_count's m^2 compares up to this many candidates; above, bucket_rank's m x (mean bin)
+// cost less (docs/kernels/tree_build.md, session 52).
+constexpr int RANK_COUNT_MAX = 128;
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
-// zeroes), for m <= RANK_SORT_MAX: the number of nodes better than it, counted against
+// zeroes), for m <= RANK_COUNT_MAX: the number of nodes better than it, counted against
 // every other node: a broadcast load of its score and path key and one branch-free 320-bit
 // compare each. m^2 compares, but no barrier or dependent search between them (the merge
 // below spent 3.5k cycles on its warp stage and ~3k on each merge level). Each warp counts
@@ -721,7 +723,7 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
 #define KD_BUCKET_MAX 128
 #endif
 #ifndef KD_BUCKET_SORT
-#define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_SORT_MAX
+#define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_COUNT_MAX
 #endif
 constexpr int BUCKET_MAX = KD_BUCKET_MAX;
 
@@ -789,7 +791,7 @@ __device__ bool emit_by_rank(const Threshold& t, int m, int n, const Selection& 
 #endif
 
 // Items 0 .. m-1 := nodes 1 .. m, sorted best first (on the device only for more than
-// RANK_SORT_MAX nodes: fewer go through rank_count). Device: a thread holds items
+// RANK_COUNT_MAX nodes whose bins bucket_rank declines). Device: a thread holds items
 // e = s * nthreads + tid (pads past m, up to P = the next power of two >= 32, sort last);
 // each warp first sorts its 32 in registers (bitonic on shuffles; warps holding only
 // positions >= P sit it out), then runs of 32, 64, ... are merged pairwise by rank: an
@@ -1548,8 +1550,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   long_keys = block_any(long_keys);  // and the barrier before the ranks
   KD_PROF(3);
 #ifdef __CUDA_ARCH__
-  const bool ranked = m <= RANK_SORT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
-                                         : KD_BUCKET_SORT && bucket_rank(t, m, tau, !long_keys, tid, nthreads);
+  const bool ranked = m <= RANK_COUNT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
+                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, !long_keys, tid, nthreads);
   if (ranked) {
     KD_PROF(4);
     return emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
