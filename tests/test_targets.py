@@ -62,6 +62,10 @@ def test_tree_and_accept_targets(tmp_path):
     assert _status(t, "tree build, caller latency") == MET
     assert _status(t, "tree accept, device time") == MET
     assert _status(t, "one round in one CUDA graph") == MET
+    # one point reads as one: no "1 points", no "100-100 us"
+    measured = t.set_index("target").measured
+    assert measured["one round in one CUDA graph"] == "1 point, 100 us"
+    assert measured["tree build, caller latency"].endswith("(1 point)")
 
 
 def test_accept_target_covers_every_follow_rate(tmp_path):

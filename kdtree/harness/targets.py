@@ -15,6 +15,15 @@ from .results import read_ok_rows
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
 
+def _points(n: int) -> str:
+    return f"{n} point" if n == 1 else f"{n} points"
+
+
+def _span(x: pd.Series) -> str:
+    lo, hi = f"{x.min():.0f}", f"{x.max():.0f}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def _row(target: str, scope: str, goal: str, measured: str, ok: bool | None) -> dict:
     status = NOT_MEASURED if ok is None else (MET if ok else NOT_MET)
     return dict(target=target, scope=scope, goal=goal, measured=measured, status=status)
@@ -35,14 +44,14 @@ def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
         out.append(_row(*names[0], "-", None))
     else:
         med, lo = c.roofline_fraction.median(), c.roofline_fraction.min()
-        out.append(_row(*names[0], f"median {med:.1%}, min {lo:.1%} ({len(c)} points)",
+        out.append(_row(*names[0], f"median {med:.1%}, min {lo:.1%} ({_points(len(c))})",
                         med >= 0.75 and lo >= 0.60))
     m = k[(hd < 64) & (k.batch >= 16)]
     if m.empty:
         out.append(_row(*names[1], "-", None))
     else:
         lo, med = m.copy_fraction.min(), m.copy_fraction.median()
-        out.append(_row(*names[1], f"min {lo:.1%}, median {med:.1%} ({len(m)} points)", lo >= 0.85))
+        out.append(_row(*names[1], f"min {lo:.1%}, median {med:.1%} ({_points(len(m))})", lo >= 0.85))
     b1 = k[k.batch == 1]
     if b1.empty:
         out.append(_row(*names[2], "-", None))
@@ -58,7 +67,7 @@ def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
         out.append(_row(*names[3], "-", None))
     else:
         sp = j.median_us_sdpa / j.median_us
-        out.append(_row(*names[3], f"min {sp.min():.1f}x, median {sp.median():.1f}x ({len(j)} points)",
+        out.append(_row(*names[3], f"min {sp.min():.1f}x, median {sp.median():.1f}x ({_points(len(j))})",
                         bool((sp >= 10).all())))
     return out
 
@@ -72,7 +81,7 @@ def _build_targets(t: pd.DataFrame | None) -> list[dict]:
     dev = t[(t.impl == "gpu_kernel") & (t.metric == "device_time")]
     out = []
     a = dev[(dev.batch <= 64) & (dev.budget <= 256)]
-    out.append(_row(*names[0], f"max {a.median_us.max():.1f} us ({len(a)} points)", bool((a.median_us <= 10).all()))
+    out.append(_row(*names[0], f"max {a.median_us.max():.1f} us ({_points(len(a))})", bool((a.median_us <= 10).all()))
                if not a.empty else _row(*names[0], "-", None))
     b = dev[(dev.batch == 64) & (dev.budget == 1024)]
     out.append(_row(*names[1], f"{b.median_us.max():.1f} us", bool((b.median_us <= 40).all()))
@@ -84,7 +93,7 @@ def _build_targets(t: pd.DataFrame | None) -> list[dict]:
         out.append(_row(*names[2], "-", None))
     else:
         r = j.median_us / j.median_us_empty
-        out.append(_row(*names[2], f"worst {r.max():.1f}x, best {r.min():.1f}x ({len(j)} points)",
+        out.append(_row(*names[2], f"worst {r.max():.1f}x, best {r.min():.1f}x ({_points(len(j))})",
                         bool((r <= 2).all())))
     return out
 
@@ -124,7 +133,7 @@ def _round_targets(r: pd.DataFrame | None) -> list[dict]:
     g = None if r is None else r[r.impl == "round_graph"]
     if g is None or g.empty:
         return [_row(*name, "-", None)]
-    return [_row(*name, f"{len(g)} points, {g.median_us.min():.0f}-{g.median_us.max():.0f} us", True)]
+    return [_row(*name, f"{_points(len(g))}, {_span(g.median_us)} us", True)]
 
 
 def check_targets(results_dir) -> pd.DataFrame:
