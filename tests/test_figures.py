@@ -61,6 +61,16 @@ def test_a_grid_of_one_batch_renders(captured, name):
     check_readable(captured[-1])
 
 
+@pytest.mark.parametrize("name,impl", [("verify_attn", "flashmla"), ("worker_round", "kdtree_dropin_graph_nomask")])
+def test_a_run_without_the_plotted_rows_gets_a_placeholder(captured, name, impl):
+    """Where only rows the figure does not plot were measured (every kdtree verify point
+    failed but FlashMLA's ran; a worker round with none of its lines) the figure says so."""
+    d = pd.read_parquet(REF / f"{name}.parquet")
+    getattr(figures, name)(d[d.impl == impl], "unused.png")
+    texts = [t.get_text() for ax in captured[-1].axes for t in ax.texts]
+    assert any(t.startswith("no measured") for t in texts), texts
+
+
 def test_each_batch_has_its_own_colour(captured):
     figures.tree_build(pd.read_parquet(REF / "tree_build.parquet"), "unused.png")
     leg = captured[-1].axes[0].get_legend()

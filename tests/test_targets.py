@@ -111,3 +111,6 @@ def test_readme_summary_compares_page_sizes(tmp_path):
     assert "block tables: scattered" in summary(tmp_path)
     v[v.page_size == 64].to_parquet(tmp_path / "verify_attn.parquet")
     assert "Page size 1" not in summary(tmp_path)
+    # every kdtree point failed (peers' rows alone): no page-size line, no crash
+    v[v.impl != "kdtree_kernel"].to_parquet(tmp_path / "verify_attn.parquet")
+    assert "Page size 1" not in summary(tmp_path)

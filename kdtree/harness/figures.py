@@ -104,6 +104,8 @@ def verify_attn(df: pd.DataFrame, path):
     d = ok_rows(df)
     if d.empty:
         return _placeholder(path, "Tree-verify attention", "no measured rows")
+    if not (d.impl == "kdtree_kernel").any():  # every kdtree point failed: the peers alone say nothing
+        return _placeholder(path, "Tree-verify attention", "no measured kdtree rows (see the report's failed points)")
     d = d.assign(shape=lambda x: "H" + x.heads.astype(str) + " D" + x.D.astype(str))
     peer = flashmla_ratio(d)
     if peer is not None:
@@ -205,6 +207,8 @@ def worker_round(df: pd.DataFrame, path):
     drop = d[d.impl == "kdtree_dropin_graph"].assign(impl="kdtree.sglang drop-in (one graph)")
     attn = d[d.impl == "kdtree_verify_layer"].assign(impl="kdtree verify attention, one layer")
     long = pd.concat([cpu, patched, drop, attn])
+    if long.empty:
+        return _placeholder(path, "SGLang worker round", "no measured rounds of the CPU path or the drop-in")
     long["ms"] = long.median_us / 1e3
     g = sns.relplot(long, x="batch", y="ms", hue="impl", style="impl", col="budget", row="prefix", kind="line",
                     marker="o", height=2.6, aspect=1.3, facet_kws={"sharey": False})
