@@ -5,7 +5,8 @@ them as single ops.
 Functional forms: each op returns new tensors (torch.compile's cudagraph trees give them
 static memory). ``tree_build`` needs ``d_max`` (no data-dependent shapes); the eager API in
 ``kdtree.ops`` stays the fast path for callers that manage static buffers themselves
-(``out=``): a registered op adds torch's dispatch to every call.
+(``out=``): a registered op allocates its outputs on every call (tree_build's ten tensors are
+most of its extra host time) and adds torch's dispatch.
 
 Registered with ``torch.library.Library`` (a schema, a CUDA kernel, a fake), not
 ``torch.library.custom_op``: the latter wraps every eager call in Python layers (an autograd
