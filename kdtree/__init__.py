@@ -27,7 +27,6 @@ except _metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
     __version__ = "0.2.0+checkout"
 
 
-
 def __getattr__(name: str):
     """``kdtree.sglang`` on first use, as the README writes it (``import kdtree`` alone does
     not load the drop-in: importing it with ``KDTREE_SGLANG=1`` patches a worker)."""
