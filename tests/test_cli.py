@@ -17,6 +17,15 @@ def run(argv, capsys):
     return e.value.code, f"{e.value.code if isinstance(e.value.code, str) else ''}{out.out}{out.err}"
 
 
+def refused(argv, needle, tmp_path, capsys) -> None:
+    """The command ({tmp}: tmp_path) fails with a message holding `needle`, not a traceback."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    code, text = run(argv, capsys)
+    assert code not in (0, None), text
+    assert needle.replace("{tmp}", str(tmp_path)) in text, text
+    assert "Traceback" not in text
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["gather", "--out", "{tmp}/g.parquet", "{tmp}/missing.parquet"], "shard {tmp}/missing.parquet not found"),
     (["sweep", "tree-build", "--out", "{tmp}/s.parquet", "--cfg-json", "not json"], "--cfg-json: expected"),
@@ -36,11 +45,7 @@ def run(argv, capsys):
     (["build", "--build-dir", "{tmp}/b", "--jobs", "0"], "jobs: expected an integer >= 1, got 0"),
 ])
 def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    code, text = run(argv, capsys)
-    assert code not in (0, None), text
-    assert needle.replace("{tmp}", str(tmp_path)) in text, text
-    assert "Traceback" not in text
+    refused(argv, needle, tmp_path, capsys)
     assert not list(tmp_path.glob("*.parquet")) and not (tmp_path / "r.md").exists()
 
 
@@ -58,23 +63,20 @@ def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
 ])
 def test_an_unwritable_output_is_refused_before_any_work(tmp_path, capsys, monkeypatch, argv, needle):
     """A sweep or a GPU test run can take an hour: its output path is checked first."""
+    import kdtree.build
     import kdtree.harness.figures
     import kdtree.harness.sweeps
     import kdtree.tools.gpu_tests
 
     def started(*a, **k):
         raise AssertionError("the work started before the output path was checked")
-    import kdtree.build
     for mod, name in ((kdtree.harness.sweeps, "load"), (kdtree.tools.gpu_tests, "run_gpu_tests"),
                       (kdtree.harness.figures, "render_all"), (kdtree.build, "build")):
         monkeypatch.setattr(mod, name, started)
     (tmp_path / "afile").write_text("x")
     pd.DataFrame({"x": [0]}).to_parquet(tmp_path / "s0.parquet")
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    code, text = run(argv, capsys)
-    assert code not in (0, None), text
-    assert needle.replace("{tmp}", str(tmp_path)) in text, text
-    assert "Traceback" not in text and not (tmp_path / "r.md").exists()
+    refused(argv, needle, tmp_path, capsys)
+    assert not (tmp_path / "r.md").exists()
 
 
 def test_every_sweep_default_passes_its_schema_section():
