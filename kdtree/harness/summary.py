@@ -56,9 +56,9 @@ def summary(results_dir) -> str:
         keys = [c for c in VERIFY_KEYS if c != "page_size"]  # the same shape at both page sizes
         k = v[v.impl == "kdtree_kernel"]
         m = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
-        ratio = m.median_us / m.median_us_64
-        layout = k.table_layout.iloc[0] if "table_layout" in k and len(k) else "scattered"
         if len(m):  # none where every kdtree point failed
+            ratio = m.median_us / m.median_us_64
+            layout = k.table_layout.iloc[0] if "table_layout" in k else "scattered"
             lines += [f"Page size 1 (SGLang's pool; block tables: {layout}) against page size 64 ({len(m)} shapes): "
                       f"{ratio.min():.2f}-{ratio.max():.2f}x its time, median {ratio.median():.2f}x, "
                       f"{int((ratio <= 1.05).sum())} within 5%.", ""]
