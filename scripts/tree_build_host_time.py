@@ -2,7 +2,8 @@
 the registered torch op (which allocates its outputs every call), ten output allocations alone,
 a grouped allocation (two tensors, split into views) and one torch.empty, beside an empty torch
 op. Per case: host microseconds a call (calls back to back, a sync every 200) and call + sync.
-Session 52's reading in docs/results.md (H200 host) came from this script (its imports tidied since).
+Session 52's reading in docs/results.md (H200 host) came from its host column
+(call + sync, not quoted there, is now the harness's time_eager_latency).
 
     KDTREE_LIB=build/kernels/libkdtree.so python3 scripts/tree_build_host_time.py
 """
@@ -11,24 +12,23 @@ import time
 import torch
 
 from kdtree import ops, torch_ops  # noqa: F401  (torch_ops registers torch.ops.kdtree)
+from kdtree.harness.timing import time_eager_latency
 from kdtree.harness.workloads import stage_a_inputs
 
+
 def host_us(fn, n=3000):
-    for _ in range(50): fn()
+    """Host microseconds a call, calls back to back (a sync every 200 keeps the queue short)."""
+    for _ in range(50):
+        fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for i in range(n):
         fn()
-        if i % 200 == 199: torch.cuda.synchronize()
+        if i % 200 == 199:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / n * 1e6
 
-def lat_us(fn, n=500):
-    for _ in range(20): fn(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter(); fn(); torch.cuda.synchronize(); ts.append(time.perf_counter() - t)
-    ts.sort(); return ts[len(ts) // 2] * 1e6
 
 for B, budget in ((1, 64), (16, 64)):
     D, L = budget + 1, 15
@@ -37,6 +37,7 @@ for B, budget in ((1, 64), (16, 64)):
     out = ops.tree_build(lp, ids, budgets, d_max=D)
     dev = lp.device
     W = (D + 31) // 32
+
     def grouped():
         i64 = torch.empty(5, B, D, dtype=torch.int64, device=dev).unbind(0)
         i32 = torch.empty(B * D * W + B * D + 2 * B, dtype=torch.int32, device=dev)
@@ -52,4 +53,4 @@ for B, budget in ((1, 64), (16, 64)):
         "one_empty": lambda: torch.empty(B, D, dtype=torch.int64, device=dev),
     }
     for name, fn in cases.items():
-        print(f"B {B:3d} {name:14s} host {host_us(fn):7.1f} us   call+sync {lat_us(fn):7.1f} us", flush=True)
+        print(f"B {B:3d} {name:14s} host {host_us(fn):7.1f} us   call+sync {time_eager_latency(fn, reps=500, warmup=20)['median_us']:7.1f} us", flush=True)
