@@ -321,10 +321,6 @@ int build_facts(BuildFacts** out) {
 }
 }  // namespace
 
-#ifndef KD_SPREAD_BUFFER_BUDGET
-#define KD_SPREAD_BUFFER_BUDGET 0  // A/B builds: 256 (design notes, session 53)
-#endif
-
 extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
                               const int32_t* prefix_lens, const int64_t* root_tokens, int B,
                               int L, int K, int D, int32_t* node_counts, int64_t* tokens,
@@ -344,15 +340,6 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
   // The node buffer's size is ts_capacity's rule, which widens it from batch 16.
   int ts_cap = kd::ts_capacity(D - 1, B >= 16);
-#if KD_SPREAD_BUFFER_BUDGET
-  // A/B builds: the 4x buffer up to this budget where every request has an SM of its own
-  // (16 <= B <= SMs), where it fits.
-  if (B >= 16 && B <= f->sms && D - 1 <= KD_SPREAD_BUFFER_BUDGET) {
-    int c = kd::TS_MIN_NODES;
-    while (c < 4 * (D - 1) && c < kd::TS_MAX_NODES) c <<= 1;
-    if (kd::ts_smem_bytes(L, lp_ld, c) <= room) ts_cap = c;
-  }
-#endif
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
   if (L > kd::KEY_DEPTH || smem > room) {
     // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.

@@ -726,14 +726,6 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
 #define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_COUNT_MAX
 #endif
 constexpr int BUCKET_MAX = KD_BUCKET_MAX;
-#ifndef KD_BUCKET_SPLIT
-#define KD_BUCKET_SPLIT 0  // A/B builds: 1 counts bins past BUCKET_MAX in slices instead of declining
-#endif
-#if KD_BUCKET_SPLIT
-// Bins of more than BUCKET_MAX are counted by SPLIT_LANES lanes a member (each a stride of
-// the bin, added by shuffles), up to SPLIT_MAX; past that the merge sort is cheaper.
-constexpr int SPLIT_LANES = 8, SPLIT_MAX = 512;
-#endif
 
 __device__ bool bucket_rank(const Threshold& t, int m, double tau, bool short_keys, int tid, int nthreads) {
   const int nb = t.cap;
@@ -750,41 +742,14 @@ __device__ bool bucket_rank(const Threshold& t, int m, double tau, bool short_ke
   // A bin of more than BUCKET_MAX (exact ties, mostly) would cost its size squared: decline,
   // and the caller merge-sorts instead.
   bool big = false;
-#if KD_BUCKET_SPLIT
-  bool huge = false;
-  for (int i = tid; i < nb; i += nthreads) { big |= start[i] > BUCKET_MAX; huge |= start[i] > SPLIT_MAX; }
-  if (__syncthreads_or(huge)) return false;
-  const bool split = __syncthreads_or(big);
-#else
   for (int i = tid; i < nb; i += nthreads) big |= start[i] > BUCKET_MAX;
   if (__syncthreads_or(big)) return false;
-#endif
   block_exclusive_scan(start, nb, t.scratch, tid, nthreads);
   for (int e = tid; e < m; e += nthreads) {
     const int bin = nb - 1 - score_bin(t.score[e + 1], lo, scale, nb);
     members[start[bin] + atomicAdd(&fill[bin], 1)] = e + 1;
   }
   __syncthreads();
-#if KD_BUCKET_SPLIT
-  if (split) {  // SPLIT_LANES lanes a member, lane l counting the bin's members l, l + SPLIT_LANES, ...
-    const int gl = tid & (SPLIT_LANES - 1), groups = nthreads / SPLIT_LANES;
-    const unsigned gmask = ((1u << SPLIT_LANES) - 1) << ((tid & 31) & ~(SPLIT_LANES - 1));
-    for (int s = tid / SPLIT_LANES; s < m && tid < groups * SPLIT_LANES; s += groups) {
-      const int i = members[s];
-      const int bin = nb - 1 - score_bin(t.score[i], lo, scale, nb);
-      const uint64_t u = score_key(t.score[i]);
-      const uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
-      const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
-      const int b0 = start[bin], nq = fill[bin] > gl ? (fill[bin] - gl + SPLIT_LANES - 1) / SPLIT_LANES : 0;
-      int better = count_before(t, 0, nq, [&](int q) { return members[b0 + gl + q * SPLIT_LANES]; }, short_keys, u,
-                                k0, k1, k2, k3);
-      for (int o = SPLIT_LANES / 2; o > 0; o >>= 1) better += __shfl_xor_sync(gmask, better, o);
-      if (gl == 0) t.pos[i - 1] = b0 + better;
-    }
-    __syncthreads();
-    return true;
-  }
-#endif
   // By member slot, not node: a warp's lanes share a bin (or two), so they walk the same
   // members with broadcast loads and no lane waits on a larger bin than its own.
   for (int s = tid; s < m; s += nthreads) {
