@@ -9,7 +9,8 @@ A shape is batch:budget:K. A batch's device time is its slowest request's, so th
 clocks (kd_build_profile_blocks) say which request to read; its phases come from a second
 launch that stamps that block (kd_build_profile_block). Stamps are clock64 at phase ends
 (kernels/src/tree_threshold.cuh, KD_PROF): a slot written more than once keeps its last
-time; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the start bound's
+time; after an overflow, level_bound ends at 32 (lbound, written also where it did not run) and
+raise_tau at 21; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the start bound's
 end); 16 the start bound's setup and 17, 18 its rounds (each before the round's barrier);
 narrowD the end of narrow level D (warp 0's levels, D 1-7, 10 and 13).
 Host raises and candidates come from the host twin of the selection.
@@ -25,7 +26,8 @@ from kdtree import ops
 from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 
-SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 21: "raised",
+SLOTS = 33  # KD_PROF_SLOTS in kernels/src/tree_threshold.cuh
+SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 32: "lbound", 21: "raised",
               22: "compacted", 2: "selected", 3: "rank_setup", 9: "ranked", 5: "popped", 6: "slots",
               7: "bits_setup", 8: "end", 19: "narrow10", 20: "narrow13",
               **{24 + d: f"narrow{d}" for d in range(1, 8)}}
@@ -75,7 +77,7 @@ def main():
               f"median {int(np.median(cyc))} min {cyc.min()}")
         print("  slowest (cycles, (raises, candidates)):", [(int(cyc[i]), stats[i]) for i in order[:6]])
         for b in dict.fromkeys((int(order[0]), int(order[len(order) // 2]))):  # slowest, median (once at B 1)
-            stamps = (ctypes.c_longlong * 32)()
+            stamps = (ctypes.c_longlong * SLOTS)()
             lib.kd_build_profile_block(b)
             launch(1)
             lib.kd_build_profile(stamps)

@@ -33,7 +33,7 @@ namespace kd {
 // Profile builds (-DKD_BUILD_PROFILE): one block (g_prof_block, 0 unless chosen) stamps
 // clock64() at phase ends.
 #ifdef KD_BUILD_PROFILE
-constexpr int KD_PROF_SLOTS = 32;
+constexpr int KD_PROF_SLOTS = 33;  // scripts/profile_tree_build.py reads as many
 __device__ long long g_prof[KD_PROF_SLOTS];
 __constant__ int g_prof_block;  // constant: the stamps' test costs no global load
 constexpr int KD_PROF_BLOCKS = 256;
@@ -1463,6 +1463,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         if (++raises > TS_MAX_RAISES) return -1;
         double nt = KD_LEVEL_RAISE && total > LEVEL_RAISE_OVER * room && le - lb <= LEVEL_RAISE_MAX
                         ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
+        KD_PROF(32);
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
