@@ -87,14 +87,7 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
 // to the warp loop on global log-probs, its path keys over the node buffer.
-#ifndef KD_LB2
-#define KD_LB2 0  // A/B builds: 1 asks for two CTAs an SM (64 registers), the flat bound's control
-#endif
-#if KD_LEVEL_FLAT || KD_LB2  // A/B builds: the default build's 64 registers, which ptxas leaves for 128 with the flat bound
-__global__ void __launch_bounds__(BUILD_THREADS, 2)
-#else
 __global__ void __launch_bounds__(BUILD_THREADS)
-#endif
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
                    const int32_t* __restrict__ budgets, const int32_t* __restrict__ prefix_lens,
                    const int64_t* __restrict__ root_tokens, int L, int K, int D,
