@@ -9,10 +9,10 @@ A shape is batch:budget:K. A batch's device time is its slowest request's, so th
 clocks (kd_build_profile_blocks) say which request to read; its phases come from a second
 launch that stamps that block (kd_build_profile_block). Stamps are clock64 at phase ends
 (kernels/src/tree_threshold.cuh, KD_PROF): a slot written more than once keeps its last
-time; after an overflow, level_bound ends at 32 (lbound, written also where it did not run) and
-raise_tau at 21; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the start bound's
-end); 16 the start bound's setup and 17, 18 its rounds (each before the round's barrier);
-narrowD the end of narrow level D (warp 0's levels, D 1-7, 10 and 13).
+time; after an overflow, level_bound ends at 32 (lbound, written also where it did not run)
+and raise_tau at 21; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the
+start bound's end); 16 the start bound's setup and 17, 18 its rounds (each before the round's
+barrier); narrowD the end of narrow level D (warp 0's levels, D 1-7, 10 and 13).
 Host raises and candidates come from the host twin of the selection.
 """
 import argparse
