@@ -6,6 +6,7 @@ import json
 import pathlib
 import sys
 
+from .harness import figure_names
 
 DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
     "tree_build": {"batches": [1, 4, 16], "budgets": [16, 64, 256], "L": 15, "vocab": 32000, "seed": 0,
@@ -28,7 +29,7 @@ DEFAULTS = {  # used when a command runs without --cfg-json (handy by hand)
 
 
 # The figures `figures` and `report --figures` render (kdtree.harness.figures.render_all).
-FIGURES = ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained", "step_breakdown"]
+FIGURES = list(figure_names.ALL)
 
 
 def _cfg(args, section: str) -> dict:

@@ -8,6 +8,7 @@ import pandas as pd
 import pytest
 
 from kdtree.harness import figures
+from kdtree.harness.figure_names import PER_PARQUET
 from kdtree.harness.report import render
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,13 +46,13 @@ def check_readable(fig):
         assert not [l for l in labels if l in RAW_NAMES], labels
 
 
-@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained"])
+@pytest.mark.parametrize("name", PER_PARQUET)
 def test_reference_figures_are_readable(captured, name):
     getattr(figures, name)(pd.read_parquet(REF / f"{name}.parquet"), "unused.png")
     check_readable(captured[-1])
 
 
-@pytest.mark.parametrize("name", ["tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained"])
+@pytest.mark.parametrize("name", PER_PARQUET)
 def test_a_grid_of_one_batch_renders(captured, name):
     """A user's grid with one batch (the smoke preset's on a GPU, FlashMLA installed: the peer
     panel's dodge divided by the batches less one) still draws every figure."""

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
+from .figure_names import BREAKDOWN, PER_PARQUET  # noqa: E402
 from .results import flashmla_ratio, ok_rows, sustained_ratio  # noqa: E402
 from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
 from .targets import ACCEPT_TARGET_US  # noqa: E402
@@ -268,16 +269,15 @@ def render_all(results_dir, fig_dir=None, kernel_times_dir=None, only=None) -> l
     results_dir = pathlib.Path(results_dir)
     fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
     skipped = []
-    for name, fn in (("tree_build", tree_build), ("verify_attn", verify_attn), ("tree_accept", tree_accept),
-                     ("worker_round", worker_round), ("verify_sustained", verify_sustained)):
+    for name in PER_PARQUET:
         if only is not None and name not in only:
             continue
         p = results_dir / f"{name}.parquet"
         if p.exists():
-            fn(pd.read_parquet(p), fig_dir / f"{name}.png")
+            globals()[name](pd.read_parquet(p), fig_dir / f"{name}.png")  # each figure's function
         else:
             skipped.append(f"{name}: {p} not found")
-    if only is not None and "step_breakdown" not in only:
+    if only is not None and BREAKDOWN not in only:
         return skipped
     from .breakdown import breakdown_table
     bt = breakdown_table(results_dir, kernel_times_dir)

@@ -4,6 +4,8 @@ import os
 import shlex
 import sys
 
+from kdtree.harness.figure_names import BREAKDOWN, PER_PARQUET
+
 
 def _use_gpu():
     """gpu: true plans the GPU rules whatever this machine has (a SLURM submit host, a
@@ -116,10 +118,9 @@ def parquet_targets():
 
 def cached_figure_names():
     """Figures `snakemake figures` re-renders: those the Parquet already in RD supports."""
-    names = [n for n in ("tree_build", "verify_attn", "tree_accept", "worker_round", "verify_sustained")
-             if os.path.exists(f"{RD}/{n}.parquet")]
+    names = [n for n in PER_PARQUET if os.path.exists(f"{RD}/{n}.parquet")]
     if os.path.exists(f"{RD}/probe.parquet"):
-        names.append("step_breakdown")
+        names.append(BREAKDOWN)
     return names
 
 
@@ -132,7 +133,7 @@ def figure_names():
     if GPU:
         names += ["verify_attn", "worker_round", "verify_sustained"]
     if PROBE:
-        names.append("step_breakdown")
+        names.append(BREAKDOWN)
     return names
 
 
