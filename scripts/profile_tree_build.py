@@ -25,6 +25,7 @@ import torch
 from kdtree import ops
 from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
+from tree_build_host_twin import load, select  # this folder's
 
 SLOTS = 33  # KD_PROF_SLOTS in kernels/src/tree_threshold.cuh
 SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 32: "lbound", 21: "raised",
@@ -33,15 +34,10 @@ SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow"
               **{24 + d: f"narrow{d}" for d in range(1, 8)}}
 
 
-def host_stats(lib, lp, budget):
+def host_stats(twin, lp, budget):
     """(raises, candidates) of the host twin for one request; raises < 0: refused."""
-    f = lib.kd_select_threshold_host
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
-    lp = np.ascontiguousarray(lp, dtype=np.float32)
-    outs = [np.zeros(budget + 1, np.int32) for _ in range(5)]
-    stats = np.zeros(2, np.int32)
-    n = f(lp.ctypes.data, lp.shape[0], lp.shape[1], budget, *(o.ctypes.data for o in outs), stats.ctypes.data)
-    return (int(stats[0]) if n >= 0 else n), int(stats[1])
+    n, _, (raises, candidates) = select(twin, lp, budget)
+    return (raises if n >= 0 else n), candidates
 
 
 def main():
@@ -52,6 +48,7 @@ def main():
     a.add_argument("--drafts", choices=DRAFTS, default="mixed", help="the synthetic drafter (workloads.DRAFTS)")
     args = a.parse_args()
     lib = ctypes.CDLL(os.environ["KDTREE_LIB"])
+    twin = load(os.environ["KDTREE_LIB"])
     if not hasattr(lib, "kd_build_profile_block"):
         raise SystemExit("KDTREE_LIB is not a profile build (-DKD_BUILD_PROFILE)")
     for shape in args.shapes:
@@ -72,7 +69,7 @@ def main():
         lib.kd_build_profile_blocks(clocks)
         cyc = np.array(clocks[:min(B, 256)])
         order = np.argsort(-cyc)
-        stats = [host_stats(lib, lp[b].numpy(), budget) for b in range(len(cyc))]
+        stats = [host_stats(twin, lp[b].numpy(), budget) for b in range(len(cyc))]
         print(f"B {B} budget {budget} K {K}: cycles max {cyc.max()} p90 {int(np.percentile(cyc, 90))} "
               f"median {int(np.median(cyc))} min {cyc.min()}")
         print("  slowest (cycles, (raises, candidates)):", [(int(cyc[i]), stats[i]) for i in order[:6]])

@@ -442,3 +442,25 @@ def test_profile_script_refuses_a_library_without_profile_stamps(lib_path, scrip
     r = subprocess.run([sys.executable, str(path), "--shapes", shape], capture_output=True, text=True,
                        env=dict(os.environ, KDTREE_LIB=str(lib_path)), timeout=120)
     assert r.returncode != 0 and f"not a profile build (-D{flag})" in r.stderr, r.stdout + r.stderr
+
+
+def test_host_twin_script_compares_libraries(lib_path):
+    """scripts/tree_build_host_twin.py, which the design notes' host readings come from: a
+    library against itself differs nowhere, and every point's candidate set holds the budget."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "tree_build_host_twin.py"), str(lib_path), str(lib_path),
+                        "--drafts", "mixed", "confident", "--batches", "16", "--budgets", "64", "256"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 * 2 * 2, lines   # drafters x budgets x libraries
+    pat = re.compile(r"lib (\d) (\w+) +B +16 budget +(\d+): (\d+) raising, (\d+) raises \(max (\d+)\), (\d+) refused, "
+                     r"candidates max (\d+); against lib 0: (\d+) differ, (same trees|TREES DIFFER)")
+    rows = [pat.fullmatch(x) for x in lines]
+    assert all(rows), lines
+    for base, other in zip(rows[0::2], rows[1::2]):
+        assert (base[1], other[1]) == ("0", "1")
+        assert base.groups()[1:8] == other.groups()[1:8]   # the same counts, point by point
+        assert other[9] == "0" and other[10] == "same trees"
+        budget, raising, raises, refused, cand = int(base[3]), int(base[4]), int(base[5]), int(base[7]), int(base[8])
+        assert refused == 0 and raises >= raising and cand >= budget
