@@ -131,7 +131,7 @@ def _results_folder(cmd: str, folder) -> None:
 
 def cmd_figures(args):
     _results_folder("figures", args.results)
-    out = args.out or pathlib.Path(args.results) / "figures"  # render_all's default too
+    out = args.out or figure_names.default_folder(args.results)
     _writable("figures", out, folder=True)
     from .harness.figures import render_all
     skipped = render_all(args.results, out, args.kernel_times, only=args.figure)

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from .figure_names import BREAKDOWN, PER_PARQUET  # noqa: E402
+from .figure_names import BREAKDOWN, PER_PARQUET, default_folder  # noqa: E402
 from .results import flashmla_ratio, ok_rows, sustained_ratio  # noqa: E402
 from .sweeps.tree_accept import DEFAULT_FOLLOW_RATES  # noqa: E402
 from .targets import ACCEPT_TARGET_US  # noqa: E402
@@ -267,7 +267,7 @@ def render_all(results_dir, fig_dir=None, kernel_times_dir=None, only=None) -> l
     """Render every figure the Parquet files in results_dir support (or those named in
     `only`: a rule writes exactly what it declares); returns what it skipped."""
     results_dir = pathlib.Path(results_dir)
-    fig_dir = pathlib.Path(fig_dir or results_dir / "figures")
+    fig_dir = pathlib.Path(fig_dir or default_folder(results_dir))
     skipped = []
     for name in PER_PARQUET:
         if only is not None and name not in only:
