@@ -87,7 +87,12 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
 // to the warp loop on global log-probs, its path keys over the node buffer.
+// A/B builds: KD_BUILD_MIN_CTAS=1 lets ptxas take up to 128 registers (one CTA an SM).
+#if defined(KD_BUILD_MIN_CTAS)
+__global__ void __launch_bounds__(BUILD_THREADS, KD_BUILD_MIN_CTAS)
+#else
 __global__ void __launch_bounds__(BUILD_THREADS)
+#endif
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
                    const int32_t* __restrict__ budgets, const int32_t* __restrict__ prefix_lens,
                    const int64_t* __restrict__ root_tokens, int L, int K, int D,
