@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 7  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 8  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p

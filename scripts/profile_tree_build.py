@@ -34,9 +34,9 @@ SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow"
               **{24 + d: f"narrow{d}" for d in range(1, 8)}}
 
 
-def host_stats(twin, lp, budget):
+def host_stats(twin, lp, budget, linear_raise):
     """(raises, candidates) of the host twin for one request; raises < 0: refused."""
-    n, _, (raises, candidates) = select(twin, lp, budget)
+    n, _, (raises, candidates) = select(twin, lp, budget, linear_raise)
     return (raises if n >= 0 else n), candidates
 
 
@@ -69,7 +69,8 @@ def main():
         lib.kd_build_profile_blocks(clocks)
         cyc = np.array(clocks[:min(B, 256)])
         order = np.argsort(-cyc)
-        stats = [host_stats(twin, lp[b].numpy(), budget) for b in range(len(cyc))]
+        linear = B <= torch.cuda.get_device_properties(0).multi_processor_count  # the kernel's pick
+        stats = [host_stats(twin, lp[b].numpy(), budget, linear) for b in range(len(cyc))]
         print(f"B {B} budget {budget} K {K}: cycles max {cyc.max()} p90 {int(np.percentile(cyc, 90))} "
               f"median {int(np.median(cyc))} min {cyc.min()}")
         print("  slowest (cycles, (raises, candidates)):", [(int(cyc[i]), stats[i]) for i in order[:6]])

@@ -10,7 +10,8 @@ more often?" before any GPU time is spent. CPU only.
     python3 scripts/tree_build_host_twin.py /tmp/a/libkdtree.so /tmp/b/libkdtree.so --budgets 256 1024
 
 Inputs as the sweep makes them (stage_a_inputs, point_seed, K = min(budget, vocab, max_topk)); the
-node buffer is the twin's, a batch of 16's (ts_capacity).
+node buffer is the twin's, a batch of 16's (ts_capacity). A raise picks as the two-CTA kernel does
+(batches past the SM count); --linear-raise as the one-CTA-an-SM kernel (batches up to it).
 """
 import argparse
 import ctypes
@@ -24,23 +25,25 @@ from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 def load(path):
     """kd_select_threshold_host of the library at `path`."""
     f = ctypes.CDLL(str(path)).kd_select_threshold_host
-    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int]
     f.restype = ctypes.c_int
     return f
 
 
-def select(f, lp, budget):
+def select(f, lp, budget, linear_raise=False):
     """One request's selection: (n, [parents, ranks, depths, next_token, next_sibling],
-    (raises, candidates)); n < 0 where the twin refused (the kernel then runs the warp loop)."""
+    (raises, candidates)); n < 0 where the twin refused (the kernel then runs the warp loop).
+    linear_raise: raise tau as the one-CTA-an-SM kernel does."""
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     outs = [np.zeros(budget + 1, np.int32) for _ in range(5)]
     stats = np.zeros(2, np.int32)
-    n = f(lp.ctypes.data, lp.shape[0], lp.shape[1], budget, *(o.ctypes.data for o in outs), stats.ctypes.data)
+    n = f(lp.ctypes.data, lp.shape[0], lp.shape[1], budget, *(o.ctypes.data for o in outs), stats.ctypes.data,
+          int(linear_raise))
     return n, outs, (int(stats[0]), int(stats[1]))
 
 
 def compare(paths, drafts=DRAFTS, batches=(16, 64, 256), budgets=(64, 128, 256, 1024), max_topk=256, L=15,
-            vocab=8192, seed=0) -> list[dict]:
+            vocab=8192, seed=0, linear_raise=False) -> list[dict]:
     """A row per library and point (the sweep's inputs); `differ` and `same_trees` against
     the first library."""
     fs = [load(p) for p in paths]
@@ -50,7 +53,7 @@ def compare(paths, drafts=DRAFTS, batches=(16, 64, 256), budgets=(64, 128, 256, 
             for budget in budgets:
                 K = min(budget, vocab, max_topk)  # as the sweep: a top-k capped below the budget
                 lp, _ = stage_a_inputs(B, L, vocab, K, seed=point_seed(seed, B, budget), drafts=d)
-                runs = [[select(f, lp[b].numpy(), budget) for b in range(B)] for f in fs]
+                runs = [[select(f, lp[b].numpy(), budget, linear_raise) for b in range(B)] for f in fs]
                 for i, run in enumerate(runs):
                     n = np.array([r[0] for r in run])
                     raises = np.array([r[2][0] for r in run])
@@ -74,8 +77,11 @@ def main():
     a.add_argument("--budgets", nargs="+", type=int, default=[64, 128, 256, 1024])
     a.add_argument("--max-topk", type=int, default=256)
     a.add_argument("--vocab", type=int, default=8192)
+    a.add_argument("--linear-raise", action="store_true",
+                   help="raise tau as the one-CTA-an-SM kernel does (batches up to the SM count)")
     args = a.parse_args()
-    rows = compare(args.libraries, args.drafts, args.batches, args.budgets, args.max_topk, vocab=args.vocab)
+    rows = compare(args.libraries, args.drafts, args.batches, args.budgets, args.max_topk, vocab=args.vocab,
+                   linear_raise=args.linear_raise)
     for r in rows:
         print(f"lib {r['library']} {r['drafts']:9s} B {r['batch']:3d} budget {r['budget']:4d}: "
               f"{r['raising']} raising, {r['raises']} raises (max {r['max_raises']}), {r['refused']} refused, "

@@ -31,7 +31,7 @@ def lib(lib_path):
     f.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3
     f.restype = ctypes.c_int
     g = so.kd_select_threshold_host
-    g.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6
+    g.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 6 + [ctypes.c_int]
     g.restype = ctypes.c_int
     return so
 
@@ -47,24 +47,25 @@ def host_select(lib, lp, budget):
     return par[:n + 1], dp[1:n + 1]
 
 
-def threshold_select(lib, lp, budget):
+def threshold_select(lib, lp, budget, linear_raise=0):
     """The kernel's threshold selection on the host: (n, parents, depths, next_token,
-    next_sibling, stats) with n = -1 (refused) or -2 (not certified) and no arrays then."""
+    next_sibling, stats) with n = -1 (refused) or -2 (not certified) and no arrays then.
+    linear_raise: 1 raises tau as the one-CTA-an-SM kernel does, 0 as the two-CTA one."""
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     L, K = lp.shape
     out = [np.full(max(budget, 0) + 1, -9, np.int32) for _ in range(5)]
     stats = np.full(2, -1, np.int32)
     n = lib.kd_select_threshold_host(lp.ctypes.data, L, K, budget, *(a.ctypes.data for a in out),
-                                     stats.ctypes.data)
+                                     stats.ctypes.data, linear_raise)
     if n < 0:
         return n, None, None, None, None, stats
     par, _, dep, nt, ns = (a[:n + 1] for a in out)
     return n, par, dep[1:], nt, ns, stats
 
 
-def assert_threshold_equals_heap(lib, lp, ids, budget):
+def assert_threshold_equals_heap(lib, lp, ids, budget, linear_raise=0):
     """Equal to the heap build (pops, depths and links) wherever it returns a selection."""
-    n, par, dep, nt, ns, stats = threshold_select(lib, lp, budget)
+    n, par, dep, nt, ns, stats = threshold_select(lib, lp, budget, linear_raise)
     if n >= 0:
         t = build_tree(lp, ids, budget)
         assert np.array_equal(par, t.parents)
@@ -285,26 +286,33 @@ def test_kernel_selection_long_blocks(lib, L):
 
 
 # ---- the kernel's threshold selection (tree_threshold.cuh), run on the host ----------
-def test_threshold_selection_on_golden_cases(lib, golden):
+@pytest.fixture(params=[0, 1], ids=["radix_raise", "linear_raise"])
+def linear_raise(request):
+    """Each selection test runs as both kernels raise tau: by the radix pick (two CTAs an SM)
+    and by linear bins first (one CTA an SM)."""
+    return request.param
+
+
+def test_threshold_selection_on_golden_cases(lib, linear_raise, golden):
     for i, c in enumerate(golden):
-        n, par, dep, *_ = threshold_select(lib, c["top_lp"], int(c["budget"]))
+        n, par, dep, *_ = threshold_select(lib, c["top_lp"], int(c["budget"]), linear_raise)
         assert n >= 0, i   # all certified
         assert np.array_equal(par, c["parents"]) and np.array_equal(dep, c["depths"]), i
 
 
 @pytest.mark.parametrize("seed", range(16))
-def test_threshold_selection_tie_heavy(lib, seed):
+def test_threshold_selection_tie_heavy(lib, linear_raise, seed):
     rng = np.random.default_rng(100 + seed)
     V = int(rng.choice([2, 3, 7, 50, 4000]))
     budget = int(rng.choice([1, 2, 15, 16, 100, 512, 1024]))
     lp, ids = stage_a_inputs(6, 15, V, budget, seed=100 + seed, coarse_fraction=1.0)
     for b in range(6):
-        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
         assert n >= 0, (seed, b)
 
 
 @pytest.mark.parametrize("budget", [16, 17, 40, 64, 65, 256, 1024])
-def test_threshold_selection_on_sweep_inputs(lib, budget):
+def test_threshold_selection_on_sweep_inputs(lib, linear_raise, budget):
     """The sweep's inputs: all certified, a few tau raises at most, the sorted set within
     the node buffer (4x the budget where the start bound takes one round of squared pivots,
     budgets 17-64; else 2x). Budgets 16/17 and 64/65 sit on both sides of that rule."""
@@ -312,7 +320,7 @@ def test_threshold_selection_on_sweep_inputs(lib, budget):
     for cf in (0.3, 1.0):
         lp, ids = stage_a_inputs(12, 15, 8192, budget, seed=7 * budget + int(cf * 10), coarse_fraction=cf)
         for b in range(12):
-            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
             assert n == budget
             raises.append(int(stats[0]))
             assert budget <= stats[1] <= max(4 * budget, 64)
@@ -320,14 +328,14 @@ def test_threshold_selection_on_sweep_inputs(lib, budget):
 
 
 @pytest.mark.parametrize("budget,K", [(1024, 256), (256, 64)])
-def test_threshold_selection_with_top_k_below_the_budget(lib, budget, K):
+def test_threshold_selection_with_top_k_below_the_budget(lib, linear_raise, budget, K):
     """A drafter's top-k below the budget: the first tau then comes from the one-deviation
     nodes (deviation_bound), which keeps tau raises to a median of one (the chain's nodes
     alone left a median of two to three); every tree is still the heap's."""
     lp, ids = stage_a_inputs(16, 15, 8192, K, seed=11 * budget + K)
     raises = []
     for b in range(16):
-        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
         if n >= 0:
             assert n == budget
             raises.append(int(stats[0]))
@@ -335,15 +343,15 @@ def test_threshold_selection_with_top_k_below_the_budget(lib, budget, K):
 
 
 @pytest.mark.parametrize("budget,K", [(64, 64), (256, 256), (1024, 256)])
-def test_threshold_selection_on_deep_trees(lib, budget, K):
+def test_threshold_selection_on_deep_trees(lib, linear_raise, budget, K):
     """A confident drafter's trees run 15 levels deep, one to four nodes on the deep levels
     (the mixed drafts' end by depth 6): every tree is still the heap's."""
     lp, ids = stage_a_inputs(16, 15, 8192, K, seed=5 * budget, drafts="confident")
     depths, raises = [], []
     for b in range(16):
-        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
         assert n == budget, b
-        depths.append(int(threshold_select(lib, lp[b].numpy(), budget)[2].max()))  # the heap's, as compared
+        depths.append(int(threshold_select(lib, lp[b].numpy(), budget, linear_raise)[2].max()))  # the heap's, as compared
         raises.append(int(stats[0]))
     assert np.median(depths) >= 12, depths
     if K <= 64:
@@ -355,7 +363,7 @@ def test_threshold_selection_on_deep_trees(lib, budget, K):
 @pytest.mark.parametrize("L,K,budget", [(1, 600, 1024), (2, 600, 1024), (3, 2, 6), (4, 300, 1024), (7, 5, 35),
                                         (16, 2, 32), (16, 64, 1000), (16, 65, 1024), (12, 100, 1024),
                                         (15, 255, 256)])
-def test_threshold_selection_top_k_below_the_budget_edges(lib, L, K, budget):
+def test_threshold_selection_top_k_below_the_budget_edges(lib, linear_raise, L, K, budget):
     """K below the budget at the edges: one depth (no start bound: L K < budget), the
     one-deviation bound from L 2 to 16, two ranks, budgets equal to the reachable nodes, K
     one below the budget; fine and coarse rows. Trees are the heap's."""
@@ -363,22 +371,22 @@ def test_threshold_selection_top_k_below_the_budget_edges(lib, L, K, budget):
         lp, ids = stage_a_inputs(3, L, 8192, K, seed=L * 1000 + K + int(cf), coarse_fraction=cf)
         reachable = sum(K ** d for d in range(1, L + 1))
         for b in range(3):
-            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
             assert n == min(budget, reachable), (cf, b, n)
 
 
 @pytest.mark.parametrize("budget,K,V,seed", [(1024, 256, 8192, 1), (256, 64, 8192, 21), (512, 128, 4000, 19)])
-def test_threshold_selection_takes_ties_at_the_budget_th_score(lib, budget, K, V, seed):
+def test_threshold_selection_takes_ties_at_the_budget_th_score(lib, linear_raise, budget, K, V, seed):
     """Coarse rows whose ties at the budget-th score fill the node buffer by themselves (two
     requests of each batch here; the selection refused them before and the warp loop built
     them): S(> t*) and then the tied nodes in path order (select_ties). Trees are the heap's."""
     lp, ids = stage_a_inputs(8, 15, V, K, seed=1000 + seed, coarse_fraction=1.0)
     for b in range(8):
-        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget)
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, linear_raise)
         assert n == budget, b
 
 
-def test_threshold_selection_raises_from_the_whole_overflowing_level(lib):
+def test_threshold_selection_raises_from_the_whole_overflowing_level(lib, linear_raise):
     """A raise counts every child of the overflowing level's parents (level_bound), not only
     those that fit the buffer: on the sweep's batch-64 inputs at budget 1024, K 256, no
     request takes more than two raises (from the truncated level alone: up to five, one
@@ -386,13 +394,13 @@ def test_threshold_selection_raises_from_the_whole_overflowing_level(lib):
     lp, ids = stage_a_inputs(64, 15, 8192, 256, seed=64 * 7919 + 1024)
     raises = []
     for b in range(64):
-        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 1024)
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 1024, linear_raise)
         assert n == 1024, b
         raises.append(int(stats[0]))
     assert max(raises) <= 2, raises
 
 
-def test_threshold_selection_raises_tau_and_stays_exact(lib):
+def test_threshold_selection_raises_tau_and_stays_exact(lib, linear_raise):
     """Budget 256 (a node buffer of 512, the chain bound's two rounds): tau raises happen on
     these sweep-like inputs, and the trees stay the heap's. (Up to budget 128 the buffer of
     4x the budget leaves these inputs no raise.)"""
@@ -400,37 +408,53 @@ def test_threshold_selection_raises_tau_and_stays_exact(lib):
     for cf in (0.3, 1.0):
         lp, ids = stage_a_inputs(64, 15, 8192, 256, seed=192 + int(cf * 10), coarse_fraction=cf)
         for b in range(64):
-            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 256)
+            n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 256, linear_raise)
             assert n == 256
             raised += int(stats[0]) > 0
     assert raised >= 2
 
 
+def test_threshold_selection_linear_raise_is_its_own_pick(lib):
+    """The two raises pick their own tau (so the candidate sets differ for some request that
+    raises) and give the same trees: the one-CTA-an-SM kernel's linear bins reach a tau within
+    the slack as the radix does."""
+    differ = 0
+    for cf in (0.3, 1.0):
+        lp, _ = stage_a_inputs(64, 15, 8192, 256, seed=192 + int(cf * 10), coarse_fraction=cf)
+        for b in range(64):
+            radix = threshold_select(lib, lp[b].numpy(), 256, 0)
+            linear = threshold_select(lib, lp[b].numpy(), 256, 1)
+            assert radix[0] == linear[0] == 256
+            assert all(np.array_equal(x, y) for x, y in zip(radix[1:5], linear[1:5])), b
+            differ += int(radix[5][1] != linear[5][1])
+    assert differ >= 1
+
+
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
                                         (4, 3, 1024), (15, 16, 15), (16, 3, 300)])
-def test_threshold_selection_small_trees_and_budget_edges(lib, L, V, budget):
+def test_threshold_selection_small_trees_and_budget_edges(lib, linear_raise, L, V, budget):
     """Budget 1, budgets past the reachable nodes (the whole tree, in heap order), L 16."""
     lp, ids = stage_a_inputs(4, L, V, budget, seed=L * 10 + V, coarse_fraction=1.0)
     for b in range(4):
         for bud in (1, budget):
-            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), bud)
+            n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), bud, linear_raise)
             want = min(bud, sum(min(V, bud) ** d for d in range(1, L + 1)))
             assert n == want
 
 
-def test_threshold_selection_clamped_rows_and_zero_budget(lib):
+def test_threshold_selection_clamped_rows_and_zero_budget(lib, linear_raise):
     lp, ids = stage_a_inputs(2, 15, 500, 64, seed=5)
     lp[:, :, 40:] = float("-inf")      # clamped to -1e4: equal values, still sorted
     for b in range(2):
-        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 64)
+        n, _ = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), 64, linear_raise)
         assert n == 64
-    assert threshold_select(lib, lp[0].numpy(), 0)[0] == 0
+    assert threshold_select(lib, lp[0].numpy(), 0, linear_raise)[0] == 0
 
 
-def test_threshold_selection_refuses_what_it_cannot_certify(lib):
-    assert threshold_select(lib, np.array([[-1.0, -0.5, -2.0]], np.float32), 3)[0] == -2   # unsorted
-    assert threshold_select(lib, np.array([[0.5, -1.0]], np.float32), 2)[0] == -2          # > 0
-    assert threshold_select(lib, np.full((17, 4), -1.0, np.float32), 8)[0] == -2           # L > 16
+def test_threshold_selection_refuses_what_it_cannot_certify(lib, linear_raise):
+    assert threshold_select(lib, np.array([[-1.0, -0.5, -2.0]], np.float32), 3, linear_raise)[0] == -2   # unsorted
+    assert threshold_select(lib, np.array([[0.5, -1.0]], np.float32), 2, linear_raise)[0] == -2          # > 0
+    assert threshold_select(lib, np.full((17, 4), -1.0, np.float32), 8, linear_raise)[0] == -2           # L > 16
 
 
 @pytest.mark.parametrize("script,shape,flag", [("profile_tree_build.py", "1:16:16", "KD_BUILD_PROFILE"),

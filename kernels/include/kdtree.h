@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 7
+#define KD_ABI_VERSION 8
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.

@@ -87,12 +87,11 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
 // to the warp loop on global log-probs, its path keys over the node buffer.
-// A/B builds: KD_BUILD_MIN_CTAS=1 lets ptxas take up to 128 registers (one CTA an SM).
-#if defined(KD_BUILD_MIN_CTAS)
-__global__ void __launch_bounds__(BUILD_THREADS, KD_BUILD_MIN_CTAS)
-#else
-__global__ void __launch_bounds__(BUILD_THREADS)
-#endif
+// CTAS_PER_SM: 2 holds the kernel to 64 registers, so two requests share an SM where a
+// batch has more than SMs; 1 gives it up to 128 (no spills) and the linear raise, for
+// batches that give each request an SM anyway (kd_build_trees picks).
+template <int CTAS_PER_SM>
+__global__ void __launch_bounds__(BUILD_THREADS, CTAS_PER_SM)
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
                    const int32_t* __restrict__ budgets, const int32_t* __restrict__ prefix_lens,
                    const int64_t* __restrict__ root_tokens, int L, int K, int D,
@@ -188,7 +187,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // From batch 16 a deep tree's raise would set the batch's time at any budget.
   const int start = chain_start ? START_ALWAYS : KD_CHAIN_GATE == 1 && batch >= 16 ? START_DEEP : START_NONE;
   if (threshold && !uncertified)
-    n = threshold_select(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
+    n = threshold_select<CTAS_PER_SM == 1>(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
   if (n < 0) {  // the warp loop: exact for any input
     if (budget > 0) flags |= KD_STATUS_WARP_LOOP;
     __syncthreads();
@@ -310,12 +309,15 @@ int build_facts(BuildFacts** out) {
   BuildFacts& f = g_facts[d->device];
   if (!f.ready) {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel);
+    cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel<1>);
     const size_t optin = (size_t)d->smem_optin;
     const size_t room = optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
-    // The cap on dynamic shared memory, raised once to all the device allows.
+    // The cap on dynamic shared memory, raised once to all the device allows (both kernels
+    // hold the same static arrays).
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kd::build_trees_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
+      e = cudaFuncSetAttribute(kd::build_trees_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kd::build_trees_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
     if (e != cudaSuccess) return (int)e;
     f.room = room;
     f.sms = d->sms;
@@ -361,7 +363,10 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   const int vis_smem = (visibility || visibility_bits) && vis_bytes <= room;
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
   const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
-  kd::build_trees_kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
+  // One CTA an SM wherever the batch fits the SMs (every request has one to itself then);
+  // past that two an SM, so that the batch runs in half the waves.
+  auto kernel = B <= f->sms ? kd::build_trees_kernel<1> : kd::build_trees_kernel<2>;
+  kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
       parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
       use_keys, ts_cap, vis_smem);
@@ -422,10 +427,12 @@ extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budge
 // pops (parents, ranks, depths [n + 1]) and links (next_token, next_sibling [n + 1]).
 // Returns n, -1 where the selection refused (the kernel then runs the warp loop), -2
 // where the certificate does not hold (unsorted rows, L > 16) or an argument is bad.
-// stats (may be null): {tau raises, candidates sorted}.
+// stats (may be null): {tau raises, candidates sorted}. linear_raise: 1 as the one-CTA-an-SM
+// kernel raises tau (batches up to the SM count), 0 as the two-CTA one.
 extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int budget,
                                         int32_t* parents, int32_t* ranks, int32_t* depths,
-                                        int32_t* next_tok, int32_t* next_sib, int32_t* stats) {
+                                        int32_t* next_tok, int32_t* next_sib, int32_t* stats,
+                                        int linear_raise) {
   if (L < 0 || K < 0 || budget > 1024 || L > kd::KEY_DEPTH) return -2;
   const int keff = budget < K ? budget : K;
   const int ld = keff > 0 ? keff : 1, cap = kd::ts_capacity(budget, true);
@@ -444,7 +451,8 @@ extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int b
   std::vector<int16_t> links(3 * (size_t)D, -1);
   const kd::Selection sel{nullptr, nodes.data(), nullptr, links.data(), links.data() + D, links.data() + 2 * D};
   int st[2] = {0, 0};
-  const int n = kd::threshold_select(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS);
+  const int n = linear_raise ? kd::threshold_select<true>(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS)
+                             : kd::threshold_select<false>(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS);
   if (stats) { stats[0] = st[0]; stats[1] = st[1]; }
   if (n < 0) return n;
   parents[0] = -1; ranks[0] = 0; depths[0] = 0;

@@ -346,13 +346,11 @@ KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid
   return tau;
 }
 
-#ifndef KD_LINEAR_RAISE
-#define KD_LINEAR_RAISE 0  // A/B builds: raise_tau's pick by linear bins first
-#endif
 // raise_tau's pick by TS_BINS linear bins over the scores' range [lo, score[1]] (all nodes
 // [1, m) score >= lo), then over the picked bin's own range: scores spread over the range,
 // so one or two passes meet the slack where the 64-bit radix takes four to eight. Exact
-// ties end it too (a bin of one score); else after MAX passes the radix pick runs.
+// ties end it too (a bin of one score); else after MAX passes the radix pick runs. Only the
+// one-CTA-an-SM kernel takes it: under the two-CTA kernel's 64 registers it spills.
 KD_HD int linear_bin(double s, double lo, double scale) {
   const double v = (s - lo) * scale;
   return v <= 0.0 ? 0 : v >= (double)(TS_BINS - 1) ? TS_BINS - 1 : (int)v;
@@ -1288,87 +1286,6 @@ __device__ double level_bound_device(const Threshold& t, const float* row, int k
 }
 #endif
 
-#ifndef KD_LEVEL_FLAT
-#define KD_LEVEL_FLAT 0  // A/B builds: 1 counts a round's pivots all at once over the level's children (session 53)
-#endif
-#if KD_LEVEL_FLAT && defined(__CUDA_ARCH__)
-// level_bound_device's counts, every pivot of a round at once: the parents' child counts at
-// tau (t.pos) become offsets by one scan, each thread takes a contiguous share of the level's
-// children (one search for its first parent, then a walk), sums each child exactly once and
-// compares the sum with every pivot; counts meet by warp sums and shared atomics into one of
-// three rotating slots (zeroed a round ahead, before the barrier that orders it against
-// that round's atomics); the pivots in shared memory, as registers they cost the kernel
-// spills. Only where a thread holds at most LEVEL_FLAT_MAX children.
-constexpr int LEVEL_FLAT_MAX = 8, LEVEL_FLAT_SLOTS = 64;  // slots: t.scratch past the scan's sums
-#if KD_LEVEL_FLAT == 2
-__device__ __noinline__
-#else
-__device__
-#endif
-double level_bound_flat(const Threshold& t, const float* row, int budget, double tau, int lb, int le, int tid,
-                        int nthreads) {
-  const Pivots pv = even_pivots(budget);
-  const int np = le - lb, lane = tid & 31;
-  int* slots = t.scratch + LEVEL_FLAT_SLOTS;  // 3 x START_PIVOTS
-  if (tid < START_PIVOTS) slots[tid] = 0;     // round 0's; the scan's barriers order it
-  const int total = block_exclusive_scan(t.pos, np, t.scratch, tid, nthreads);
-  const int per = (total + nthreads - 1) / nthreads;
-  const int j0 = min(total, tid * per), j1 = min(total, j0 + per);
-  int p = 0;  // the last parent whose offset is <= j0
-  if (j0 < j1) {
-    int len = np;
-    while (len > 0) {
-      const int half = len >> 1;
-      if (t.pos[p + half] <= j0) { p += half + 1; len -= half + 1; }
-      else len = half;
-    }
-    --p;
-  }
-  double* x = reinterpret_cast<double*>(t.items);  // the round's pivots (items: free until compact)
-  double lo = tau, hi = (double)t.lp[0];
-  for (int round = 0; round < pv.rounds && hi > lo; ++round) {
-    if (tid < START_PIVOTS) x[tid] = start_pivot(lo, hi, tid + 1, pv);
-    __syncthreads();
-    // A thread's counts, four to a register (8 bits each: at most LEVEL_FLAT_MAX children and
-    // cap / nthreads <= 8 nodes a thread).
-    uint32_t n4[START_PIVOTS / 4] = {};
-    const auto tally = [&](double sc) {
-#pragma unroll
-      for (int k = 0; k < START_PIVOTS; ++k) n4[k >> 2] += (uint32_t)(sc >= x[k]) << (8 * (k & 3));
-    };
-    for (int i = 1 + tid; i < le; i += nthreads) tally(t.score[i]);
-    int q = p, next = q + 1 < np ? t.pos[q + 1] : total;
-    double sp = j0 < j1 ? t.score[lb + q] : 0.0;
-    for (int j = j0; j < j1; ++j) {
-      while (j >= next) { ++q; next = q + 1 < np ? t.pos[q + 1] : total; sp = t.score[lb + q]; }
-      tally(KD_DADD(sp, (double)row[j - t.pos[q]]));
-    }
-    int* cnt = slots + (round % 3) * START_PIVOTS;
-#pragma unroll
-    for (int r = 0; r < START_PIVOTS / 4; ++r) {  // 16-bit fields for the warp sums (<= 32 x 16)
-      uint32_t even = n4[r] & 0x00ff00ffu, odd = (n4[r] >> 8) & 0x00ff00ffu;
-      for (int o = 16; o > 0; o >>= 1) {
-        even += __shfl_xor_sync(FULL_MASK, even, o);
-        odd += __shfl_xor_sync(FULL_MASK, odd, o);
-      }
-      if (lane == 0) {
-        atomicAdd(&cnt[4 * r], (int)(even & 0xffffu));
-        atomicAdd(&cnt[4 * r + 1], (int)(odd & 0xffffu));
-        atomicAdd(&cnt[4 * r + 2], (int)(even >> 16));
-        atomicAdd(&cnt[4 * r + 3], (int)(odd >> 16));
-      }
-    }
-    if (tid < START_PIVOTS) slots[((round + 1) % 3) * START_PIVOTS + tid] = 0;
-    __syncthreads();
-    const int mine = lane < pv.count ? lane : 0;
-    const unsigned held = __ballot_sync(FULL_MASK, lane < pv.count && cnt[mine] >= budget);
-    start_narrow(held ? 31 - __clz(held) : -1, &lo, &hi, pv);
-  }
-  __syncthreads();  // the counts are read before the caller's next writes to scratch
-  return lo;
-}
-#endif
-
 // Host twin: the same pivots and counts, one thread.
 inline double level_bound_host(const Threshold& t, const float* row, int keff, int budget, double tau, int lb,
                                int le) {
@@ -1381,16 +1298,11 @@ inline double level_bound_host(const Threshold& t, const float* row, int keff, i
 }
 
 KD_HD double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau, int lb, int le,
-                         int tid, int nthreads, int total) {
+                         int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
-#if KD_LEVEL_FLAT
-  if (nthreads >= 32 * START_PIVOTS && total <= LEVEL_FLAT_MAX * nthreads)
-    return level_bound_flat(t, row, budget, tau, lb, le, tid, nthreads);
-#endif
-  (void)total;
   return level_bound_device(t, row, keff, budget, tau, lb, le, tid, nthreads);
 #else
-  (void)tid; (void)nthreads; (void)total;
+  (void)tid; (void)nthreads;
   return level_bound_host(t, row, keff, budget, tau, lb, le);
 #endif
 }
@@ -1554,6 +1466,8 @@ enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
+// LINEAR_RAISE: a raise picks by linear bins first (raise_tau_linear), else by the radix.
+template <bool LINEAR_RAISE>
 KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
                            int tid, int nthreads, int* stats, int start) {
   const int keff = min(budget, K);
@@ -1612,10 +1526,10 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         KD_PROF(24);
         if (++raises > TS_MAX_RAISES) return -1;
         double nt = KD_LEVEL_RAISE && total > LEVEL_RAISE_OVER * room && le - lb <= LEVEL_RAISE_MAX
-                        ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads, total) : tau;
+                        ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
         KD_PROF(32);
-        if (!(nt > tau)) nt = KD_LINEAR_RAISE ? raise_tau_linear(t, cap, budget, (cap - budget) / 2, tau, tid, nthreads)
-                                        : raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
+        if (!(nt > tau)) nt = LINEAR_RAISE ? raise_tau_linear(t, cap, budget, (cap - budget) / 2, tau, tid, nthreads)
+                                      : raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
         KD_PROF(21);
