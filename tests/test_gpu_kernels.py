@@ -98,6 +98,20 @@ def test_tree_build_batch_wider_than_the_gpu(ops):
     gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 4000, size=B))
 
 
+@pytest.mark.parametrize("extra", [0, 1])
+def test_tree_build_at_and_past_the_sm_count(ops, extra):
+    """A batch of the SM count runs the wide kernel (one CTA an SM, the linear raise), one
+    more request the two-CTA kernel (the radix raise): budgets up to 1024 on coarse rows, where
+    tau rises (the host twin: in 25 / 35 of an H200's 132 / 133 requests); the CPU build's
+    bytes from both."""
+    rng = np.random.default_rng(88 + extra)
+    B = torch.cuda.get_device_properties(0).multi_processor_count + extra
+    budgets = rng.choice([64, 200, 256, 1024], size=B)
+    lp, ids = stage_a_inputs(B, 15, 8192, 256, seed=88, coarse_fraction=1.0)
+    _, st = gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 8192, size=B))
+    assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
+
+
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),
                                         (4, 3, 1024), (15, 16, 15),
                                         (40, 600, 1024)])   # log-probs too big to stage: global reads

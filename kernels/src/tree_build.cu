@@ -87,11 +87,11 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
 // to the warp loop on global log-probs, its path keys over the node buffer.
-// CTAS_PER_SM: 2 holds the kernel to 64 registers, so two requests share an SM where a
-// batch has more than SMs; 1 gives it up to 128 (no spills) and the linear raise, for
-// batches that give each request an SM anyway (kd_build_trees picks).
-template <int CTAS_PER_SM>
-__global__ void __launch_bounds__(BUILD_THREADS, CTAS_PER_SM)
+// WIDE: one CTA an SM, up to 128 registers (no spills) and the linear raise, for batches
+// that give each request an SM anyway; else no minimum (0), where ptxas holds the kernel to
+// 64 registers so that two requests share an SM (kd_build_trees picks).
+template <bool WIDE>
+__global__ void __launch_bounds__(BUILD_THREADS, WIDE ? 1 : 0)
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
                    const int32_t* __restrict__ budgets, const int32_t* __restrict__ prefix_lens,
                    const int64_t* __restrict__ root_tokens, int L, int K, int D,
@@ -187,7 +187,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // From batch 16 a deep tree's raise would set the batch's time at any budget.
   const int start = chain_start ? START_ALWAYS : KD_CHAIN_GATE == 1 && batch >= 16 ? START_DEEP : START_NONE;
   if (threshold && !uncertified)
-    n = threshold_select<CTAS_PER_SM == 1>(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
+    n = threshold_select<WIDE>(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
   if (n < 0) {  // the warp loop: exact for any input
     if (budget > 0) flags |= KD_STATUS_WARP_LOOP;
     __syncthreads();
@@ -309,15 +309,15 @@ int build_facts(BuildFacts** out) {
   BuildFacts& f = g_facts[d->device];
   if (!f.ready) {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel<1>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel<true>);
     const size_t optin = (size_t)d->smem_optin;
     const size_t room = optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
     // The cap on dynamic shared memory, raised once to all the device allows (both kernels
     // hold the same static arrays).
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kd::build_trees_kernel<1>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
+      e = cudaFuncSetAttribute(kd::build_trees_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
     if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kd::build_trees_kernel<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
+      e = cudaFuncSetAttribute(kd::build_trees_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
     if (e != cudaSuccess) return (int)e;
     f.room = room;
     f.sms = d->sms;
@@ -363,9 +363,9 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   const int vis_smem = (visibility || visibility_bits) && vis_bytes <= room;
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
   const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
-  // One CTA an SM wherever the batch fits the SMs (every request has one to itself then);
-  // past that two an SM, so that the batch runs in half the waves.
-  auto kernel = B <= f->sms ? kd::build_trees_kernel<1> : kd::build_trees_kernel<2>;
+  // The wide kernel wherever the batch fits the SMs (every request has one to itself then);
+  // past that two CTAs an SM, so that the batch runs in half the waves.
+  auto kernel = B <= f->sms ? kd::build_trees_kernel<true> : kd::build_trees_kernel<false>;
   kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
       parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
