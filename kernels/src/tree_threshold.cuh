@@ -78,7 +78,7 @@ struct Threshold {
   int* pos;           // [cap + 1] child offsets, compaction targets, then pop indices
   SortItem* items;    // [cap] compaction staging, then the sort
   int* scratch;       // [TS_SCRATCH_INTS] radix histogram and broadcast slots
-  unsigned long long* minkey;  // one 64-bit slot
+  unsigned long long* minkey;  // two 64-bit slots: raise_tau's minimum, raise_tau_linear's bin range
   int ld;             // row stride of lp
   int cap;            // node buffer size
 };
