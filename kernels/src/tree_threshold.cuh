@@ -295,6 +295,20 @@ KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
 #endif
 }
 
+// One count into hist[bin] where `in`, by every thread of a pass over the nodes. Scores crowd
+// into a few bins, so on the device one atomic per distinct bin of the warp, not per lane.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ void count_in_bin(int* hist, bool in, int bin) {
+  const unsigned active = __activemask();
+  const unsigned peers = __match_any_sync(active, in ? bin : -1);
+  if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+}
+#else
+inline void count_in_bin(int* hist, bool in, int bin) {
+  if (in) smem_add(&hist[bin], 1);
+}
+#endif
+
 // A threshold whose count among nodes [1, m) is >= budget and at most budget + slack (where
 // the bits allow): about the budget-th best score, an actual score of the set.
 KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid, int nthreads) {
@@ -310,14 +324,7 @@ KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid
       const unsigned long long u = order_key(t.score[i]);
       const bool in = shift == 56 || (u >> (shift + 8)) == (prefix >> (shift + 8));
       const int bin = (int)((u >> shift) & 0xff);
-#ifdef __CUDA_ARCH__
-      // Scores crowd into a few bins: one atomic per distinct bin of the warp, not per lane.
-      const unsigned active = __activemask();
-      const unsigned peers = __match_any_sync(active, in ? bin : -1);
-      if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-#else
-      if (in) smem_add(&hist[bin], 1);
-#endif
+      count_in_bin(hist, in, bin);
     }
     KD_BARRIER();
     radix_pick(hist, need, pick, tid);
@@ -372,13 +379,7 @@ KD_HD double raise_tau_linear(const Threshold& t, int m, int budget, int slack, 
       const unsigned long long u = order_key(t.score[i]);
       const bool in = u >= klo && u <= khi;
       const int bin = linear_bin(t.score[i], blo, scale);
-#ifdef __CUDA_ARCH__
-      const unsigned active = __activemask();
-      const unsigned peers = __match_any_sync(active, in ? bin : -1);
-      if (in && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-#else
-      if (in) smem_add(&hist[bin], 1);
-#endif
+      count_in_bin(hist, in, bin);
     }
     KD_BARRIER();
     radix_pick(hist, need, pick, tid);
