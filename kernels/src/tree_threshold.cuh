@@ -219,6 +219,20 @@ KD_HD int smem_add(int* p, int v) {
   return old;
 #endif
 }
+KD_HD void smem_min(unsigned long long* p, unsigned long long v) {
+#ifdef __CUDA_ARCH__
+  atomicMin(p, v);
+#else
+  if (v < *p) *p = v;
+#endif
+}
+KD_HD void smem_max(unsigned long long* p, unsigned long long v) {
+#ifdef __CUDA_ARCH__
+  atomicMax(p, v);
+#else
+  if (v > *p) *p = v;
+#endif
+}
 
 #ifdef __CUDA_ARCH__
 // A warp's inclusive scan of c over its lanes in order.
@@ -339,13 +353,7 @@ KD_HD double raise_tau(const Threshold& t, int m, int budget, int slack, int tid
   KD_BARRIER();
   for (int i = 1 + tid; i < m; i += nthreads) {
     const unsigned long long u = order_key(t.score[i]);
-    if ((u >> shift) == (prefix >> shift)) {
-#ifdef __CUDA_ARCH__
-      atomicMin(t.minkey, u);
-#else
-      if (u < *t.minkey) *t.minkey = u;
-#endif
-    }
+    if ((u >> shift) == (prefix >> shift)) smem_min(t.minkey, u);
   }
   KD_BARRIER();
   const double tau = from_order_key(*t.minkey);
@@ -389,13 +397,8 @@ KD_HD double raise_tau_linear(const Threshold& t, int m, int budget, int slack, 
     for (int i = 1 + tid; i < m; i += nthreads) {
       const unsigned long long u = order_key(t.score[i]);
       if (u >= klo && u <= khi && linear_bin(t.score[i], blo, scale) == bin) {
-#ifdef __CUDA_ARCH__
-        atomicMin(&range[0], u);
-        atomicMax(&range[1], u);
-#else
-        if (u < range[0]) range[0] = u;
-        if (u > range[1]) range[1] = u;
-#endif
+        smem_min(&range[0], u);
+        smem_max(&range[1], u);
       }
     }
     KD_BARRIER();
