@@ -22,11 +22,19 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 8  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 9  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+
+
+class KdBuildPlan(ctypes.Structure):
+    """kd_build_plan (kdtree.h): the shape, then the launch choices kd_build_plan_make made."""
+
+    _fields_ = [(name, _I) for name in (
+        "B", "L", "K", "D", "visibility", "wide", "node_buffer", "staged_ld", "path_keys", "vis_smem",
+        "smem_bytes")]
 
 
 class KdVerifyPlan(ctypes.Structure):
@@ -41,6 +49,7 @@ class KdVerifyPlan(ctypes.Structure):
 _ABI = {
     "kd_version": [],
     "kd_build_trees": [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P],
+    "kd_build_plan_make": [_I] * 5 + [ctypes.POINTER(KdBuildPlan)],
     "kd_build_set_smem_limit": [_I],
     "kd_tree_accept": [_P] * 3 + [_I, _P] + [_I] * 3 + [_P] * 3 + [_P],
     "kd_tree_accept_parents": [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P],

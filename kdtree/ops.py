@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .checks import InputError
-from .loader import KdVerifyPlan, lib
+from .loader import KdBuildPlan, KdVerifyPlan, lib
 from .reference.attention import LATENT_DIM, QK_DIM
 from .reference.tree import MAX_BUDGET
 
@@ -226,6 +226,28 @@ def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=Non
         *ptrs, _stream(dev))
     _check(rc, "tree_build")
     return out
+
+
+def tree_build_plan(B: int, L: int, K: int, d_max: int, *, visibility: bool = True, device=None) -> dict:
+    """The launch choices ``tree_build`` makes for ``B`` requests of ``L x K`` log-probs and
+    ``d_max`` slots on ``device``: ``kernel`` ("wide": one CTA an SM; "two_cta": two an SM),
+    ``node_buffer`` (the threshold selection's nodes; 0: the exact warp loop only),
+    ``staged_ld``, ``path_keys``, ``vis_smem`` and ``smem_bytes`` (dynamic shared memory a CTA).
+    For tests and tools: ``tree_build`` makes its own."""
+    for name, v, lo in (("B", B, 0), ("L", L, 0), ("K", K, 0), ("d_max", d_max, 1)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
+    if L > 2047:
+        raise InputError(f"L: expected L <= 2047 positions, got {L}")
+    if d_max > MAX_BUDGET + 1:
+        raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
+    plan = KdBuildPlan()
+    with torch.cuda.device(cuda_device(device)):
+        _check(lib().kd_build_plan_make(B, L, K, d_max, int(bool(visibility)), ctypes.byref(plan)),
+               "tree_build_plan")
+    return {"kernel": "wide" if plan.wide else "two_cta", "node_buffer": plan.node_buffer,
+            "staged_ld": plan.staged_ld, "path_keys": bool(plan.path_keys), "vis_smem": bool(plan.vis_smem),
+            "smem_bytes": plan.smem_bytes}
 
 
 # The outputs in kd_build_trees' argument order.

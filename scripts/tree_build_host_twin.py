@@ -10,8 +10,8 @@ more often?" before any GPU time is spent. CPU only.
     python3 scripts/tree_build_host_twin.py /tmp/a/libkdtree.so /tmp/b/libkdtree.so --budgets 256 1024
 
 Inputs as the sweep makes them (stage_a_inputs, point_seed, K = min(budget, vocab, max_topk)); the
-node buffer is the twin's, a batch of 16's (ts_capacity). A raise picks as the two-CTA kernel does
-(batches past the SM count); --linear-raise as the one-CTA-an-SM kernel (batches up to it).
+node buffer is the twin's, a batch of 16's (ts_capacity). A raise picks as the two-CTA kernel does;
+--linear-raise as the one-CTA-an-SM kernel (ops.tree_build_plan says which a shape runs).
 """
 import argparse
 import ctypes
@@ -78,7 +78,7 @@ def main():
     a.add_argument("--max-topk", type=int, default=256)
     a.add_argument("--vocab", type=int, default=8192)
     a.add_argument("--linear-raise", action="store_true",
-                   help="raise tau as the one-CTA-an-SM kernel does (batches up to the SM count)")
+                   help="raise tau as the one-CTA-an-SM kernel does (ops.tree_build_plan's 'wide')")
     args = a.parse_args()
     rows = compare(args.libraries, args.drafts, args.batches, args.budgets, args.max_topk, vocab=args.vocab,
                    linear_raise=args.linear_raise)

@@ -98,18 +98,56 @@ def test_tree_build_batch_wider_than_the_gpu(ops):
     gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 4000, size=B))
 
 
+def kernel_expected(ops, B, d_max, smem_sm):
+    """What the plan must pick, from the device alone: the wide kernel where the batch fits
+    the SMs or a CTA needs more than half an SM's shared memory; the two-CTA kernel where two
+    CTAs fit with room for the kernel's static arrays (< 32 KB); None in between."""
+    p = ops.tree_build_plan(B, 15, 256, d_max)
+    if B <= torch.cuda.get_device_properties(0).multi_processor_count or 2 * p["smem_bytes"] > smem_sm:
+        return p, "wide"
+    return p, ("two_cta" if 2 * (p["smem_bytes"] + 32768) <= smem_sm else None)
+
+
 @pytest.mark.parametrize("extra", [0, 1])
-def test_tree_build_at_and_past_the_sm_count(ops, extra):
-    """A batch of the SM count runs the wide kernel (one CTA an SM, the linear raise), one
-    more request the two-CTA kernel (the radix raise): budgets up to 1024 on coarse rows, where
-    tau rises (the host twin: in 25 / 35 of an H200's 132 / 133 requests); the CPU build's
-    bytes from both."""
-    rng = np.random.default_rng(88 + extra)
-    B = torch.cuda.get_device_properties(0).multi_processor_count + extra
-    budgets = rng.choice([64, 200, 256, 1024], size=B)
+@pytest.mark.parametrize("d_max", [513, 1025])
+def test_tree_build_at_and_past_the_sm_count(ops, extra, d_max):
+    """A batch of the SM count runs the wide kernel (one CTA an SM, the linear raise); one
+    more request the two-CTA kernel (the radix raise) where two CTAs fit an SM's shared
+    memory, else the wide one too (budget 1024's node buffer on an H200). Budgets up to
+    d_max - 1 on coarse rows, where tau rises (the host twin: in 25 / 35 of an H200's 132 /
+    133 requests at budgets up to 1024); the CPU build's bytes from both kernels."""
+    props = torch.cuda.get_device_properties(0)
+    B = props.multi_processor_count + extra
+    plan, want = kernel_expected(ops, B, d_max, props.shared_memory_per_multiprocessor)
+    if want is not None:
+        assert plan["kernel"] == want, plan
+    rng = np.random.default_rng(88 + extra + d_max)
+    budgets = rng.choice([64, 200, 256, d_max - 1], size=B)
     lp, ids = stage_a_inputs(B, 15, 8192, 256, seed=88, coarse_fraction=1.0)
-    _, st = gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 8192, size=B))
+    _, st = gpu_vs_cpu(ops, lp, ids, budgets, rng.integers(0, 1000, size=B), rng.integers(0, 8192, size=B),
+                       d_max=d_max)
     assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
+
+
+def test_tree_build_plan_on_this_gpu(ops):
+    """The plan's choices on the device: the wide kernel up to the SM count, the two-CTA one
+    past it where two CTAs fit, the node buffer 4x the budget from batch 16 up to budget 128
+    (2x at batch 1 and above), nothing staged past the SM count on the warp loop."""
+    props = torch.cuda.get_device_properties(0)
+    sms, smem_sm = props.multi_processor_count, props.shared_memory_per_multiprocessor
+    for B in (1, 16, sms, sms + 1, 4 * sms):
+        for d_max in (2, 17, 65, 129, 257, 513, 1025):
+            plan, want = kernel_expected(ops, B, d_max, smem_sm)
+            if want is not None:
+                assert plan["kernel"] == want, (B, d_max, plan)
+            if plan["node_buffer"]:
+                mult = 4 if B >= 16 and d_max - 1 <= 128 else 2
+                assert plan["node_buffer"] >= min(mult * (d_max - 1), 4096), (B, d_max, plan)
+                assert plan["node_buffer"] < max(2 * mult * (d_max - 1), 128), (B, d_max, plan)
+            elif B > sms:
+                assert plan["staged_ld"] == 0, (B, d_max, plan)
+            assert 0 < plan["smem_bytes"] <= props.shared_memory_per_block_optin, (B, d_max, plan)
+    assert ops.tree_build_plan(8, 15, 64, 65, visibility=False)["vis_smem"] is False
 
 
 @pytest.mark.parametrize("L,V,budget", [(1, 5, 3), (2, 2, 50), (3, 1, 10), (15, 1, 1024), (15, 2, 1024),

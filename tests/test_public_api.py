@@ -104,6 +104,19 @@ def test_verify_plan_without_a_gpu_names_the_device():
         kdtree.TreeVerifyPlan(1, 5, 8, page_size=64, max_pages=4, device="cpu")
 
 
+@pytest.mark.parametrize("args,name", [((-1, 15, 64, 65), "B"), ((4, 15, 64, 0), "d_max"),
+                                       ((4, 15, 64, 1026), "d_max"), ((4, 2048, 64, 65), "L"),
+                                       ((4, 15, 2.0, 65), "K")])
+def test_tree_build_plan_names_the_bad_argument(args, name):
+    """The tree build's plan query checks its shape before it looks for a device."""
+    from kdtree import InputError, ops
+
+    with pytest.raises(InputError, match=f"^{name}: expected"):
+        ops.tree_build_plan(*args)
+    with pytest.raises(InputError, match="device: expected a CUDA device, got cpu"):
+        ops.tree_build_plan(4, 15, 64, 65, device="cpu")
+
+
 def test_gpu_test_gate_fails_when_nothing_ran():
     row = lambda outcome: {"test_id": "t", "outcome": outcome, "duration_s": 0.0, "message": "no CUDA device"}
     assert gate([], 5) == 1                                   # none collected

@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 8
+#define KD_ABI_VERSION 9
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
@@ -36,6 +36,20 @@ int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* b
                    int32_t* parents, int64_t* positions, int64_t* next_token,
                    int64_t* next_sibling, uint8_t* visibility, int32_t* visibility_bits,
                    int32_t* status, void* stream);
+
+// Every launch choice kd_build_trees makes for one shape on the current device (visibility:
+// whether either visibility output is asked for). For tests and tools; kd_build_trees makes
+// its own.
+typedef struct kd_build_plan {
+  int B, L, K, D, visibility;  // the shape, as passed
+  int wide;         // 1: one CTA an SM (no spills, the linear raise); 0: two CTAs an SM
+  int node_buffer;  // the threshold selection's node buffer (0: the warp loop only)
+  int staged_ld;    // log-probs staged in shared memory with this row length (0: not staged)
+  int path_keys;    // the warp loop's path keys in shared memory
+  int vis_smem;     // visibility from bit rows in shared memory
+  int smem_bytes;   // dynamic shared memory a CTA
+} kd_build_plan;
+int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan);
 
 // Caps the build's dynamic shared memory per block (0: the device's own limit) so that a
 // large GPU runs the paths a smaller one takes; returns the previous cap. For tests.

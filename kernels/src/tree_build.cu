@@ -295,7 +295,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 namespace {
 // Per-device launch facts, read once (the launch path stays free of attribute queries).
 struct BuildFacts {
-  size_t room;  // dynamic shared memory a block may use
+  size_t room;       // dynamic shared memory a block may use
+  size_t smem_sm;    // shared memory an SM holds
+  size_t cta_fixed;  // the two-CTA kernel's static shared memory and the system's reserve
   int sms;
   int ready;
 };
@@ -308,8 +310,9 @@ int build_facts(BuildFacts** out) {
   if (rc != 0) return rc;
   BuildFacts& f = g_facts[d->device];
   if (!f.ready) {
-    cudaFuncAttributes fa;
+    cudaFuncAttributes fa, fn;
     cudaError_t e = cudaFuncGetAttributes(&fa, kd::build_trees_kernel<true>);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fn, kd::build_trees_kernel<false>);
     const size_t optin = (size_t)d->smem_optin;
     const size_t room = optin > fa.sharedSizeBytes ? optin - fa.sharedSizeBytes : 0;
     // The cap on dynamic shared memory, raised once to all the device allows (both kernels
@@ -320,22 +323,31 @@ int build_facts(BuildFacts** out) {
       e = cudaFuncSetAttribute(kd::build_trees_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)room);
     if (e != cudaSuccess) return (int)e;
     f.room = room;
+    f.smem_sm = (size_t)d->smem_sm;
+    f.cta_fixed = fn.sharedSizeBytes + (size_t)d->smem_reserved;
     f.sms = d->sms;
     f.ready = 1;
   }
   *out = &f;
   return 0;
 }
+
+#ifndef KD_BUILD_WIDE_RULE
+#define KD_BUILD_WIDE_RULE 1
+#endif
+// The wide kernel (one CTA an SM, no spills) wherever the two-CTA kernel could not hold two
+// an SM: the batch fits the SMs (every request has one to itself), or a CTA's shared memory
+// is more than half an SM's. Elsewhere two CTAs an SM run the batch in half the waves.
+bool wide_kernel(const BuildFacts& f, int B, size_t smem) {
+  if (KD_BUILD_WIDE_RULE == 2) return true;
+  if (KD_BUILD_WIDE_RULE == 0) return B <= f.sms;
+  return B <= f.sms || 2 * (smem + f.cta_fixed) > f.smem_sm;
+}
 }  // namespace
 
-extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
-                              const int32_t* prefix_lens, const int64_t* root_tokens, int B,
-                              int L, int K, int D, int32_t* node_counts, int64_t* tokens,
-                              int64_t* depths, int32_t* parents, int64_t* positions,
-                              int64_t* next_token, int64_t* next_sibling, uint8_t* visibility,
-                              int32_t* visibility_bits, int32_t* status, void* stream) {
+extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan) {
+  if (!plan) return KD_ERR_ARGUMENT;
   if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
-  if (B == 0) return 0;
   BuildFacts* f = nullptr;
   const int rc = build_facts(&f);
   if (rc != 0) return rc;
@@ -360,16 +372,30 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   }
   // Visibility from bit rows in shared memory (over the selection's buffers) where they fit.
   const size_t vis_bytes = (size_t)D * kd::ceil_div(D, 32) * sizeof(uint32_t);
-  const int vis_smem = (visibility || visibility_bits) && vis_bytes <= room;
+  const int vis_smem = visibility && vis_bytes <= room;
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
+  *plan = kd_build_plan{B, L, K, D, visibility ? 1 : 0, wide_kernel(*f, B, smem) ? 1 : 0, ts_cap, lp_ld,
+                        use_keys, vis_smem, (int)smem};
+  return 0;
+}
+
+extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
+                              const int32_t* prefix_lens, const int64_t* root_tokens, int B,
+                              int L, int K, int D, int32_t* node_counts, int64_t* tokens,
+                              int64_t* depths, int32_t* parents, int64_t* positions,
+                              int64_t* next_token, int64_t* next_sibling, uint8_t* visibility,
+                              int32_t* visibility_bits, int32_t* status, void* stream) {
+  if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
+  if (B == 0) return 0;
+  kd_build_plan p;
+  const int rc = kd_build_plan_make(B, L, K, D, visibility || visibility_bits, &p);
+  if (rc != 0) return rc;
   const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
-  // The wide kernel wherever the batch fits the SMs (every request has one to itself then);
-  // past that two CTAs an SM, so that the batch runs in half the waves.
-  auto kernel = B <= f->sms ? kd::build_trees_kernel<true> : kd::build_trees_kernel<false>;
-  kernel<<<B, threads, smem, (cudaStream_t)stream>>>(
+  auto kernel = p.wide ? kd::build_trees_kernel<true> : kd::build_trees_kernel<false>;
+  kernel<<<B, threads, (size_t)p.smem_bytes, (cudaStream_t)stream>>>(
       top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
-      parents, positions, next_token, next_sibling, visibility, visibility_bits, status, lp_ld,
-      use_keys, ts_cap, vis_smem);
+      parents, positions, next_token, next_sibling, visibility, visibility_bits, status,
+      p.staged_ld, p.path_keys, p.node_buffer, p.vis_smem);
   KD_LAUNCH_CHECK();
   return 0;
 }
