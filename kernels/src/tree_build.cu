@@ -332,15 +332,10 @@ int build_facts(BuildFacts** out) {
   return 0;
 }
 
-#ifndef KD_BUILD_WIDE_RULE
-#define KD_BUILD_WIDE_RULE 1
-#endif
 // The wide kernel (one CTA an SM, no spills) wherever the two-CTA kernel could not hold two
 // an SM: the batch fits the SMs (every request has one to itself), or a CTA's shared memory
 // is more than half an SM's. Elsewhere two CTAs an SM run the batch in half the waves.
 bool wide_kernel(const BuildFacts& f, int B, size_t smem) {
-  if (KD_BUILD_WIDE_RULE == 2) return true;
-  if (KD_BUILD_WIDE_RULE == 0) return B <= f.sms;
   return B <= f.sms || 2 * (smem + f.cta_fixed) > f.smem_sm;
 }
 }  // namespace
