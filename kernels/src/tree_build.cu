@@ -354,9 +354,6 @@ extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd
   int use_keys = L <= kd::KEY_DEPTH && key_bytes <= room;
   // The node buffer's size is ts_capacity's rule, which widens it from batch 16.
   int ts_cap = kd::ts_capacity(D - 1, B >= 16);
-#ifdef KD_SPREAD_BUFFER_BUDGET
-  if (B <= f->sms && D - 1 > 256 && D - 1 <= KD_SPREAD_BUFFER_BUDGET) ts_cap = kd::ts_capacity(2 * (D - 1), false);
-#endif
   size_t smem = kd::ts_smem_bytes(L, lp_ld, ts_cap);
   if (L > kd::KEY_DEPTH || smem > room) {
     // Warp loop only: path keys first (they make ties cheap), then the staged log-probs.
