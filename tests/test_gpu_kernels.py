@@ -114,8 +114,7 @@ def test_tree_build_at_and_past_the_sm_count(ops, extra, d_max):
     """A batch of the SM count runs the wide kernel (one CTA an SM, the linear raise); one
     more request the two-CTA kernel (the radix raise) where two CTAs fit an SM's shared
     memory, else the wide one too (budget 1024's node buffer on an H200). Budgets up to
-    d_max - 1 on coarse rows, where tau rises (the host twin: in 25 / 35 of an H200's 132 /
-    133 requests at budgets up to 1024); the CPU build's bytes from both kernels."""
+    d_max - 1 on coarse rows, where tau rises; the CPU build's bytes from both kernels."""
     props = torch.cuda.get_device_properties(0)
     B = props.multi_processor_count + extra
     plan, want = kernel_expected(ops, B, d_max, props.shared_memory_per_multiprocessor)

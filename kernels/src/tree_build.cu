@@ -87,9 +87,9 @@ __device__ void write_visibility_bytes(uint8_t* out, const uint32_t* bits, int D
 // then the log-probs if lp_ld > 0); ts_cap > 0 = threshold selection with a node buffer
 // of ts_cap (views from ts_views; log-probs staged with row stride lp_ld), falling back
 // to the warp loop on global log-probs, its path keys over the node buffer.
-// WIDE: one CTA an SM, up to 128 registers (no spills) and the linear raise, for batches
-// that give each request an SM anyway; else no minimum (0), where ptxas holds the kernel to
-// 64 registers so that two requests share an SM (kd_build_trees picks).
+// WIDE: one CTA an SM, up to 128 registers (no spills) and the linear raise, where each
+// request has an SM to itself anyway; else no minimum (0), where ptxas holds the kernel to
+// 64 registers so that two requests share an SM (wide_kernel picks).
 template <bool WIDE>
 __global__ void __launch_bounds__(BUILD_THREADS, WIDE ? 1 : 0)
 build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__ top_ids,
