@@ -27,6 +27,7 @@ from .reference.tree import MAX_BUDGET
 STATUS_BUDGET_CLAMPED = 1
 STATUS_NAN_INPUT = 2
 STATUS_WARP_LOOP = 4   # information: the request's rows were not certified for threshold selection
+MAX_POSITIONS = 2047   # draft positions L a build takes (MAX_DEPTH in kernels/src/tree_select.cuh)
 
 
 def cuda_device(device=None) -> torch.device:
@@ -41,6 +42,18 @@ def cuda_device(device=None) -> torch.device:
     if dev.index is not None and dev.index >= n:
         raise InputError(f"device: expected cuda:0 to cuda:{n - 1}, got {dev}")
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _check_sizes(*sizes) -> None:
+    """(name, value, lo) triples: each value a plain integer >= lo, else InputError naming it."""
+    for name, v, lo in sizes:
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
+
+
+def _check_d_max(d_max) -> None:
+    if not isinstance(d_max, int) or not 1 <= d_max <= MAX_BUDGET + 1:
+        raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
 
 
 def _ptr(t: torch.Tensor | None):
@@ -196,12 +209,11 @@ def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=Non
         _tensor("seq_lens", seq_lens, torch.int32, (B,), dev)
     if root_tokens is not None:
         _tensor("root_tokens", root_tokens, torch.int64, (B,), dev)
-    if L > 2047:
-        raise InputError(f"top_logprobs: expected L <= 2047 positions, got {L}")
+    if L > MAX_POSITIONS:
+        raise InputError(f"top_logprobs: expected L <= {MAX_POSITIONS} positions, got {L}")
     if d_max is None:
         d_max = int(budgets.max().clamp(min=0)) + 1 if B else 1  # host sync, documented
-    if not isinstance(d_max, int) or not 1 <= d_max <= MAX_BUDGET + 1:
-        raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
+    _check_d_max(d_max)
     D = d_max
     fresh = out is None
     if fresh:
@@ -234,13 +246,10 @@ def tree_build_plan(B: int, L: int, K: int, d_max: int, *, visibility: bool = Tr
     ``node_buffer`` (the threshold selection's nodes; 0: the exact warp loop only),
     ``staged_ld``, ``path_keys``, ``vis_smem`` and ``smem_bytes`` (dynamic shared memory a CTA).
     For tests and tools: ``tree_build`` makes its own."""
-    for name, v, lo in (("B", B, 0), ("L", L, 0), ("K", K, 0), ("d_max", d_max, 1)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-            raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
-    if L > 2047:
-        raise InputError(f"L: expected L <= 2047 positions, got {L}")
-    if d_max > MAX_BUDGET + 1:
-        raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
+    _check_sizes(("B", B, 0), ("L", L, 0), ("K", K, 0), ("d_max", d_max, 1))
+    if L > MAX_POSITIONS:
+        raise InputError(f"L: expected L <= {MAX_POSITIONS} positions, got {L}")
+    _check_d_max(d_max)
     plan = KdBuildPlan()
     with torch.cuda.device(cuda_device(device)):
         _check(lib().kd_build_plan_make(B, L, K, d_max, int(bool(visibility)), ctypes.byref(plan)),
@@ -382,10 +391,7 @@ class TreeVerifyPlan:
 
     def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
                  kernel: str = "auto", num_splits: int | None = None, own_workspace: bool = True):
-        for name, v, lo in (("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1),
-                            ("max_pages", max_pages, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
+        _check_sizes(("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1), ("max_pages", max_pages, 1))
         if kernel not in VERIFY_KERNELS:
             raise InputError(f"kernel: expected one of {VERIFY_KERNELS}, got {kernel!r}")
         if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
