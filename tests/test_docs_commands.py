@@ -89,6 +89,8 @@ COVERED = {
                                          "tests/test_kernel_host.py"),
     "scripts/profile_verify.py --latency": ("gpu", "a profile build of c93256c on the H200 (session 36, "
                                                    "docs/kernels/verify_attention.md)"),
+    "scripts/profile_verify.py --layout runs --latency": ("gpu", "a profile build of b644684 on the H200, page sizes 1 "
+                                                                 "and 64 (session 56, docs/kernels/verify_attention.md)"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),
