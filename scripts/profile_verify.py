@@ -10,13 +10,15 @@ tile landed), 4 + 4i S done, 5 + 4i P ready (softmax done), 6 + 4i warpgroup 1 r
 i + 1; 43 loop done, 46 exit (0 and 47: the global timer at entry and exit, ns). A split that
 merges in its cluster leaves before 46. Printed per split: the prologue, then per tile S, the
 softmax and the rest of the period (P ready to the next S issue, or to the loop's end for a
-split's last tile), in cycles. With --latency, per tile i >= 1 also the cycles from warpgroup 1's
-request of it (stamp 6 + 4(i - 1)) to its S issue: an upper bound on its copy's latency, equal
-to it where S waited for the tile.
+split's last tile), in cycles, then their medians over tiles 1.. (tile 0 carries the prologue's
+copies). With --latency, per tile i >= 1 also the cycles from warpgroup 1's request of it (stamp
+6 + 4(i - 1)) to its S issue: an upper bound on its copy's latency, equal to it where S waited
+for the tile.
 """
 import argparse
 import ctypes
 import os
+import statistics
 
 import torch
 
@@ -25,6 +27,26 @@ from kdtree.harness.workloads import TABLE_LAYOUTS, paged_case
 
 SLOTS = 48  # a split's stamps (verify_common.cuh)
 SCALE = 0.130861  # K2's softmax scale
+
+
+def tile_medians(s: list) -> dict:
+    """A split's stamps (`SLOTS` clock values) as medians over its stamped tiles after the first
+    (tile 0 carries the prologue's copies), in cycles: S, softmax, rest (P ready to the next S
+    issue) and request_to_s (warpgroup 1's request of a tile to its S issue), each only where
+    stamped. Empty where fewer than two tiles were stamped."""
+    tiles = [i for i in range(10) if s[3 + 4 * i] and s[5 + 4 * i]]
+    later = [i for i in tiles if i >= 1]
+    if not later:
+        return {}
+    out = {"S": statistics.median(s[4 + 4 * i] - s[3 + 4 * i] for i in later),
+           "softmax": statistics.median(s[5 + 4 * i] - s[4 + 4 * i] for i in later)}
+    rest = [s[3 + 4 * (i + 1)] - s[5 + 4 * i] for i in later if i + 1 in tiles]
+    if rest:
+        out["rest"] = statistics.median(rest)
+    req = [s[3 + 4 * i] - s[6 + 4 * (i - 1)] for i in later if s[6 + 4 * (i - 1)]]
+    if req:
+        out["request_to_s"] = statistics.median(req)
+    return out
 
 
 def main():
@@ -74,6 +96,12 @@ def main():
             if args.latency:
                 waits = [f"{s[3 + 4 * i] - s[6 + 4 * (i - 1)]}" for i in tiles if i and s[6 + 4 * (i - 1)]]
                 print(f"     request to S issue, tiles 1..: {' '.join(waits)}")
+            med = tile_medians(s)
+            if "rest" in med:
+                print(f"     medians of tiles 1..: S {med['S']:.0f}, softmax {med['softmax']:.0f}, rest "
+                      f"{med['rest']:.0f}: a period of {med['S'] + med['softmax'] + med['rest']:.0f}"
+                      + (f"; request to S issue {med['request_to_s']:.0f}" if args.latency and "request_to_s" in med
+                         else ""))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 same flags against the loopback SGLang server), run by .ci/run, or named as GPU-only and run
 by the pipeline on the GPU. A command the docs gain without an entry below fails this test.
 Also: no link in the repository's Markdown points outside the repository."""
+import importlib.util
 import os
 import pathlib
 import re
@@ -144,6 +145,25 @@ def test_documented_probe_command_runs_against_a_server(tmp_path):
         argv = [sys.executable, *argv.split()[1:]] + ["--max-new-tokens", "8"]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "16/16 requests ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_profile_verify_medians_leave_out_the_first_tile():
+    """scripts/profile_verify.py's medians (the design notes' stamp tables): tiles 1.. only, the
+    rest from P ready to the next tile's S issue, the request's latency where stamped."""
+    spec = importlib.util.spec_from_file_location("profile_verify", ROOT / "scripts" / "profile_verify.py")
+    pv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pv)
+    s = [0] * pv.SLOTS
+    t = 1000
+    for i, (S, soft, rest) in enumerate([(5000, 4000, 3000), (100, 50, 20), (110, 60, 30), (120, 70, 40)]):
+        s[3 + 4 * i], s[4 + 4 * i], s[5 + 4 * i] = t, t + S, t + S + soft
+        if i < 3:
+            s[6 + 4 * i] = t + 7  # warpgroup 1 requests tile i + 1 seven cycles after S(i) issues
+        t += S + soft + rest
+    med = pv.tile_medians(s)
+    # request to S issue: tile 1 11,993 (behind tile 0's long period), tile 2 163, tile 3 193
+    assert med == {"S": 110, "softmax": 60, "rest": 25, "request_to_s": 193}
+    assert pv.tile_medians([0] * pv.SLOTS) == {}
 
 
 def test_ab_compare_reads_an_ab_folder(tmp_path):
