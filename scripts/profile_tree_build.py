@@ -69,7 +69,7 @@ def main():
         lib.kd_build_profile_blocks(clocks)
         cyc = np.array(clocks[:min(B, 256)])
         order = np.argsort(-cyc)
-        linear = ops.tree_build_plan(B, 15, K, budget + 1)["kernel"] == "wide"  # the kernel's pick
+        linear = ops.tree_build_plan(*lp.shape, budget + 1)["kernel"] == "wide"  # the kernel's pick
         stats = [host_stats(twin, lp[b].numpy(), budget, linear) for b in range(len(cyc))]
         print(f"B {B} budget {budget} K {K}: cycles max {cyc.max()} p90 {int(np.percentile(cyc, 90))} "
               f"median {int(np.median(cyc))} min {cyc.min()}")

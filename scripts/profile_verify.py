@@ -29,12 +29,22 @@ SLOTS = 48  # a split's stamps (verify_common.cuh)
 SCALE = 0.130861  # K2's softmax scale
 
 
+def stamped_tiles(s: list) -> list:
+    """The tiles (0-9) whose S issue and P ready a split's stamps hold."""
+    return [i for i in range(10) if s[3 + 4 * i] and s[5 + 4 * i]]
+
+
+def request_waits(s: list, tiles: list) -> list:
+    """Per stamped tile i >= 1: cycles from warpgroup 1's request of it to its S issue."""
+    return [s[3 + 4 * i] - s[6 + 4 * (i - 1)] for i in tiles if i and s[6 + 4 * (i - 1)]]
+
+
 def tile_medians(s: list) -> dict:
     """A split's stamps (`SLOTS` clock values) as medians over its stamped tiles after the first
     (tile 0 carries the prologue's copies), in cycles: S, softmax, rest (P ready to the next S
     issue) and request_to_s (warpgroup 1's request of a tile to its S issue), each only where
     stamped. Empty where fewer than two tiles were stamped."""
-    tiles = [i for i in range(10) if s[3 + 4 * i] and s[5 + 4 * i]]
+    tiles = stamped_tiles(s)
     later = [i for i in tiles if i >= 1]
     if not later:
         return {}
@@ -43,7 +53,7 @@ def tile_medians(s: list) -> dict:
     rest = [s[3 + 4 * (i + 1)] - s[5 + 4 * i] for i in later if i + 1 in tiles]
     if rest:
         out["rest"] = statistics.median(rest)
-    req = [s[3 + 4 * i] - s[6 + 4 * (i - 1)] for i in later if s[6 + 4 * (i - 1)]]
+    req = request_waits(s, tiles)
     if req:
         out["request_to_s"] = statistics.median(req)
     return out
@@ -84,7 +94,7 @@ def main():
             s = st[split]
             if not s[1]:
                 continue
-            tiles = [i for i in range(10) if s[3 + 4 * i] and s[5 + 4 * i]]
+            tiles = stamped_tiles(s)
             rows = []
             for i in tiles:
                 # The last stamped tile's rest runs to the loop's end only if the split ends there.
@@ -94,8 +104,7 @@ def main():
             exit_ = f", epilogue {s[46] - s[43]}, {(s[47] - s[0]) / 1e3:.1f} us entry to exit" if s[46] else ""
             print(f"   split {split}: prologue {s[2] - s[1]}; tiles S/softmax/rest: {' '.join(rows)}{exit_}")
             if args.latency:
-                waits = [f"{s[3 + 4 * i] - s[6 + 4 * (i - 1)]}" for i in tiles if i and s[6 + 4 * (i - 1)]]
-                print(f"     request to S issue, tiles 1..: {' '.join(waits)}")
+                print(f"     request to S issue, tiles 1..: {' '.join(map(str, request_waits(s, tiles)))}")
             med = tile_medians(s)
             if "rest" in med:
                 print(f"     medians of tiles 1..: S {med['S']:.0f}, softmax {med['softmax']:.0f}, rest "
