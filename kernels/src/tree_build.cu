@@ -338,11 +338,15 @@ int build_facts(BuildFacts** out) {
 bool wide_kernel(const BuildFacts& f, int B, size_t smem) {
   return B <= f.sms || 2 * (smem + f.cta_fixed) > f.smem_sm;
 }
+
+// The shapes a build takes: the plan and the launch check them alike, before any device query.
+bool build_shape_ok(int B, int L, int K, int D) {
+  return B >= 0 && L >= 0 && K >= 0 && D >= 1 && D <= kd::MAX_SLOTS && L <= kd::MAX_DEPTH;
+}
 }  // namespace
 
 extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan) {
-  if (!plan) return KD_ERR_ARGUMENT;
-  if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
+  if (!plan || !build_shape_ok(B, L, K, D)) return KD_ERR_ARGUMENT;
   BuildFacts* f = nullptr;
   const int rc = build_facts(&f);
   if (rc != 0) return rc;
@@ -380,7 +384,7 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int64_t* depths, int32_t* parents, int64_t* positions,
                               int64_t* next_token, int64_t* next_sibling, uint8_t* visibility,
                               int32_t* visibility_bits, int32_t* status, void* stream) {
-  if (B < 0 || L < 0 || K < 0 || D < 1 || D > kd::MAX_SLOTS || L > kd::MAX_DEPTH) return KD_ERR_ARGUMENT;
+  if (!build_shape_ok(B, L, K, D)) return KD_ERR_ARGUMENT;
   if (B == 0) return 0;
   kd_build_plan p;
   const int rc = kd_build_plan_make(B, L, K, D, visibility || visibility_bits, &p);
