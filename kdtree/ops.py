@@ -52,7 +52,7 @@ def _check_sizes(*sizes) -> None:
 
 
 def _check_d_max(d_max) -> None:
-    if not isinstance(d_max, int) or not 1 <= d_max <= MAX_BUDGET + 1:
+    if not isinstance(d_max, int) or isinstance(d_max, bool) or not 1 <= d_max <= MAX_BUDGET + 1:
         raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
 
 
@@ -246,7 +246,7 @@ def tree_build_plan(B: int, L: int, K: int, d_max: int, *, visibility: bool = Tr
     ``node_buffer`` (the threshold selection's nodes; 0: the exact warp loop only),
     ``staged_ld``, ``path_keys``, ``vis_smem`` and ``smem_bytes`` (dynamic shared memory a CTA).
     For tests and tools: ``tree_build`` makes its own."""
-    _check_sizes(("B", B, 0), ("L", L, 0), ("K", K, 0), ("d_max", d_max, 1))
+    _check_sizes(("B", B, 0), ("L", L, 0), ("K", K, 0))
     if L > MAX_POSITIONS:
         raise InputError(f"L: expected L <= {MAX_POSITIONS} positions, got {L}")
     _check_d_max(d_max)

@@ -105,7 +105,8 @@ def test_verify_plan_without_a_gpu_names_the_device():
 
 
 @pytest.mark.parametrize("args,name", [((-1, 15, 64, 65), "B"), ((4, 15, 64, 0), "d_max"),
-                                       ((4, 15, 64, 1026), "d_max"), ((4, 2048, 64, 65), "L"),
+                                       ((4, 15, 64, 1026), "d_max"), ((4, 15, 64, True), "d_max"),
+                                       ((4, 2048, 64, 65), "L"),
                                        ((4, 15, 2.0, 65), "K")])
 def test_tree_build_plan_names_the_bad_argument(args, name):
     """The tree build's plan query checks its shape before it looks for a device."""
