@@ -133,18 +133,13 @@ __device__ __forceinline__ bool rows_are_run(const int (&row)[2], int& y) {
 
 // A tile that is not a run, by cp.async from its looked-up rows: warp w of warpgroup 1
 // copies rows 16w..16w+15 as load_keys does (rows past `end` zero-filled).
-#ifdef KD_VERIFY_COPY_INLINE
-#define KD_COPY_ROWS_ATTR __forceinline__
-#else
-#define KD_COPY_ROWS_ATTR __noinline__
-#endif
-__device__ KD_COPY_ROWS_ATTR void copy_rows(const __nv_bfloat16* kv, int row0, int row1, uint32_t tile, int w) {
+__device__ __forceinline__ void copy_rows(const VerifyParams& p, const int (&row)[2], uint32_t tile, int w) {
   const int lane = threadIdx.x & 31;
-  const int mine = (w >> 1) ? row1 : row0;  // rows 16w.. lie in half w / 2
+  const int mine = (w >> 1) ? row[1] : row[0];  // rows 16w.. lie in half w / 2
 #pragma unroll
   for (int r = 0; r < 16; ++r) {
     const int src_row = __shfl_sync(0xffffffffu, mine, (16 * w + r) & 31);
-    const __nv_bfloat16* src = kv + (size_t)max(src_row, 0) * QK_DIM + lane * 8;
+    const __nv_bfloat16* src = p.kv + (size_t)max(src_row, 0) * QK_DIM + lane * 8;
     const uint32_t dst = tile + (16 * w + r) * BLOCK_BYTES;
 #pragma unroll
     for (int i = 0; i < 3; ++i) {
@@ -162,7 +157,7 @@ __device__ KD_COPY_ROWS_ATTR void copy_rows(const __nv_bfloat16* kv, int row0, i
 // when they have landed (the loop's RUNS epilogue).
 __device__ __forceinline__ void request_tile(const VerifyParams& p, const CUtensorMap* tmap, const int (&row)[2],
                                              bool run, int y, uint32_t slot, uint32_t full, bool producer, int w) {
-  if (!run) copy_rows(p.kv, row[0], row[1], slot, w);
+  if (!run) copy_rows(p, row, slot, w);
   else if (producer) issue_tile(tmap, y, slot, full);
 }
 
