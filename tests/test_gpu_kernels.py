@@ -268,8 +268,9 @@ def test_tree_build_argument_errors(ops):
         ops.tree_build(lp.to(DEV), ids.to(DEV).int(), b)
     with pytest.raises(InputError, match=r"budgets: expected shape \[2\]"):
         ops.tree_build(lp.to(DEV), ids.to(DEV), b[:1])
-    with pytest.raises(InputError, match="d_max: expected"):
-        ops.tree_build(lp.to(DEV), ids.to(DEV), b, d_max=2000)
+    for bad in (2000, 0, True):
+        with pytest.raises(InputError, match="d_max: expected"):
+            ops.tree_build(lp.to(DEV), ids.to(DEV), b, d_max=bad)
 
 
 def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
