@@ -520,6 +520,10 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 
 #ifdef __CUDA_ARCH__
 constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
+#ifndef KD_NARROW_WIDE_MAX
+#define KD_NARROW_WIDE_MAX 2
+#endif
+constexpr int NARROW_WIDE_MAX = KD_NARROW_WIDE_MAX;  // parents of 16 children or more a grouped narrow level takes first
 
 // One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
 // sp + x) is in take the next slots after `total` in lane order (parents in order, ranks
@@ -590,18 +594,43 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     // G is the least of 4, 8, 16 that holds them all (one vote each).
     const int p = lb + lane;
     const double sv = p < le ? t.score[p] : 0.0;
+    unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
     int lg = 0;
-    for (int g = 2; g <= 4 && lg == 0; ++g)
-      if (!__any_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau)) lg = g;
+#pragma unroll
+    for (int g = 2; g <= 4; ++g)
+      if (lg == 0) {
+        reach[g - 2] = __ballot_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau);
+        if (reach[g - 2] == 0u) lg = g;
+      }
+    // Where only a few parents have 16 children or more (the drafter sure of one token: its
+    // rank-0 node has dozens), those go first, a parent at a time, and the others by groups:
+    // a few ballot steps instead of the count, scan and owner search below (~2.8k cycles).
+    unsigned wide = 0u;
+    if (lg == 0 && __popc(reach[2]) <= NARROW_WIDE_MAX) {
+      wide = reach[2];
+      lg = (reach[0] & ~wide) == 0u ? 2 : (reach[1] & ~wide) == 0u ? 3 : 4;
+    }
     const int per = 32 >> lg;
     if (lg > 0 && le - lb <= NARROW_BALLOT_STEPS * per) {
+      int total = 0;
+      for (unsigned w = wide; w != 0u; w &= w - 1u) {
+        const int q = __ffs(w) - 1;
+        const double sp = __shfl_sync(FULL_MASK, sv, q);
+        for (int r0 = 0; r0 < keff; r0 += 32) {
+          const int r = r0 + lane;
+          const double x = r < keff ? (double)row[r] : 0.0;
+          const double sc = KD_DADD(sp, x);
+          if (ballot_children(t, d, r < keff && sc >= tau, lb + q, r, sp, x, sc, le, room, total) != FULL_MASK) break;
+        }
+      }
       const int j = lane >> lg, r = lane & ((1 << lg) - 1);
       const double x = (double)row[r];
-      int total = 0;
       for (int p0 = 0; p0 < le - lb; p0 += per) {
-        const double sp = __shfl_sync(FULL_MASK, sv, p0 + j);  // p0 + j <= 31
+        const int q = p0 + j;  // <= 31
+        const double sp = __shfl_sync(FULL_MASK, sv, q);
         const double sc = KD_DADD(sp, x);
-        ballot_children(t, d, p0 + j < le - lb && sc >= tau, lb + p0 + j, r, sp, x, sc, le, room, total);
+        ballot_children(t, d, q < le - lb && !((wide >> q) & 1u) && sc >= tau, lb + q, r, sp, x, sc, le, room,
+                        total);
       }
       __syncwarp();
       return total;
