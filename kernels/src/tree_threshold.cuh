@@ -520,10 +520,10 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
 
 #ifdef __CUDA_ARCH__
 constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
-#ifndef KD_NARROW_WIDE_MAX
-#define KD_NARROW_WIDE_MAX 2
+#ifndef KD_NARROW_LEAD_MAX
+#define KD_NARROW_LEAD_MAX 2
 #endif
-constexpr int NARROW_WIDE_MAX = KD_NARROW_WIDE_MAX;  // parents of 16 children or more a grouped narrow level takes first
+constexpr int NARROW_LEAD_MAX = KD_NARROW_LEAD_MAX;  // parents of 16 children or more a grouped narrow level takes first (lead parents)
 
 // One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
 // sp + x) is in take the next slots after `total` in lane order (parents in order, ranks
@@ -540,6 +540,8 @@ __device__ __forceinline__ unsigned ballot_children(const Threshold& t, int d, b
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
 // parent's children contiguous, ranks ascending), without its atomic and barrier.
+// WIDE: the one-CTA-an-SM kernel's program (threshold_select).
+template <bool WIDE>
 __device__ int materialise_narrow(const Threshold& t, const float* row, int keff, int d, double tau,
                                   int lb, int le, int lane) {
   const int room = t.cap - le;
@@ -594,26 +596,33 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     // G is the least of 4, 8, 16 that holds them all (one vote each).
     const int p = lb + lane;
     const double sv = p < le ? t.score[p] : 0.0;
-    unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
     int lg = 0;
+    unsigned lead = 0u;  // lead parents, taken first, a parent at a time
+    if (WIDE) {
+      // Where only a few parents have 16 children or more (the drafter sure of one token:
+      // its rank-0 node has dozens), those go first, by 32 ranks a ballot, and the others by
+      // groups: a few ballot steps instead of the count, scan and owner search below (2.8k
+      // cycles of 16 x 64's slowest request). The one-CTA-an-SM kernel only: the two-CTA
+      // kernel's 64 registers would spill more for it.
+      unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
 #pragma unroll
-    for (int g = 2; g <= 4; ++g)
-      if (lg == 0) {
-        reach[g - 2] = __ballot_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau);
-        if (reach[g - 2] == 0u) lg = g;
+      for (int g = 2; g <= 4; ++g)
+        if (lg == 0) {
+          reach[g - 2] = __ballot_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau);
+          if (reach[g - 2] == 0u) lg = g;
+        }
+      if (lg == 0 && __popc(reach[2]) <= NARROW_LEAD_MAX) {
+        lead = reach[2];
+        lg = (reach[0] & ~lead) == 0u ? 2 : (reach[1] & ~lead) == 0u ? 3 : 4;
       }
-    // Where only a few parents have 16 children or more (the drafter sure of one token: its
-    // rank-0 node has dozens), those go first, a parent at a time, and the others by groups:
-    // a few ballot steps instead of the count, scan and owner search below (~2.8k cycles).
-    unsigned wide = 0u;
-    if (lg == 0 && __popc(reach[2]) <= NARROW_WIDE_MAX) {
-      wide = reach[2];
-      lg = (reach[0] & ~wide) == 0u ? 2 : (reach[1] & ~wide) == 0u ? 3 : 4;
+    } else {
+      for (int g = 2; g <= 4 && lg == 0; ++g)
+        if (!__any_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau)) lg = g;
     }
     const int per = 32 >> lg;
     if (lg > 0 && le - lb <= NARROW_BALLOT_STEPS * per) {
       int total = 0;
-      for (unsigned w = wide; w != 0u; w &= w - 1u) {
+      for (unsigned w = lead; w != 0u; w &= w - 1u) {
         const int q = __ffs(w) - 1;
         const double sp = __shfl_sync(FULL_MASK, sv, q);
         for (int r0 = 0; r0 < keff; r0 += 32) {
@@ -629,7 +638,7 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
         const int q = p0 + j;  // <= 31
         const double sp = __shfl_sync(FULL_MASK, sv, q);
         const double sc = KD_DADD(sp, x);
-        ballot_children(t, d, q < le - lb && !((wide >> q) & 1u) && sc >= tau, lb + q, r, sp, x, sc, le, room,
+        ballot_children(t, d, q < le - lb && !((lead >> q) & 1u) && sc >= tau, lb + q, r, sp, x, sc, le, room,
                         total);
       }
       __syncwarp();
@@ -656,13 +665,14 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
 // level that would overflow the buffer (the block redoes it and raises tau) or at the tree's
 // end (*d = L); the block goes on from *d. The level counters stay untouched: the caller has
 // them at zero.
+template <bool WIDE>
 __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, int* d, int* lb,
                               int* le, int tid) {
   int* state = t.scratch + TS_NARROW;
   if (tid < 32) {
     int wd = *d, wlb = *lb, wle = *le;
     while (wd < L && wle - wlb <= 32) {
-      const int total = materialise_narrow(t, t.lp + wd * t.ld, keff, wd, tau, wlb, wle, tid);
+      const int total = materialise_narrow<WIDE>(t, t.lp + wd * t.ld, keff, wd, tau, wlb, wle, tid);
       if (total > t.cap - wle) break;
       if (total == 0) { wd = L; break; }
       wlb = wle;
@@ -1499,8 +1509,10 @@ enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
 // null) gets {raises, candidates sorted}.
-// LINEAR_RAISE: a raise picks by linear bins first (raise_tau_linear), else by the radix.
-template <bool LINEAR_RAISE>
+// WIDE: the one-CTA-an-SM kernel's program, whose registers hold more: a raise picks by
+// linear bins first (raise_tau_linear; else by the radix), and a narrow level takes its few
+// lead parents first (materialise_narrow). The host twin's argument picks the raise.
+template <bool WIDE>
 KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
                            int tid, int nthreads, int* stats, int start) {
   const int keff = min(budget, K);
@@ -1548,7 +1560,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     bool restart = false;
     int d = 0;
 #ifdef __CUDA_ARCH__
-    narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+    narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
 #endif
     KD_PROF(23);
     for (; d < L;) {
@@ -1561,7 +1573,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
         double nt = KD_LEVEL_RAISE && total > LEVEL_RAISE_OVER * room && le - lb <= LEVEL_RAISE_MAX
                         ? level_bound(t, row, keff, budget, tau, lb, le, tid, nthreads) : tau;
         KD_PROF(32);
-        if (!(nt > tau)) nt = LINEAR_RAISE ? raise_tau_linear(t, cap, budget, (cap - budget) / 2, tau, tid, nthreads)
+        if (!(nt > tau)) nt = WIDE ? raise_tau_linear(t, cap, budget, (cap - budget) / 2, tau, tid, nthreads)
                                       : raise_tau(t, cap, budget, (cap - budget) / 2, tid, nthreads);
         // A bin cut short may reach down to tau itself: then take the exact budget-th score.
         if (!(nt > tau)) nt = raise_tau(t, cap, budget, -1, tid, nthreads);
@@ -1579,7 +1591,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
 #ifdef __CUDA_ARCH__
           // The redone level and the ones after are often narrow again (a raise keeps
           // about `budget` nodes): warp 0 takes them without block barriers.
-          if (le - lb <= 32) narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+          if (le - lb <= 32) narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
 #endif
           continue;
         }
@@ -1613,7 +1625,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       if (d < L && le - lb <= 32) {
         KD_BARRIER();
         clear_level_counters(t, tid);
-        narrow_levels(t, L, keff, tau, &d, &lb, &le, tid);
+        narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
       }
 #endif
     }
