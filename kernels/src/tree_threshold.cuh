@@ -601,9 +601,8 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     if (WIDE) {
       // Where only a few parents have 16 children or more (the drafter sure of one token:
       // its rank-0 node has dozens), those go first, by 32 ranks a ballot, and the others by
-      // groups: a few ballot steps instead of the count, scan and owner search below (2.8k
-      // cycles of 16 x 64's slowest request). The one-CTA-an-SM kernel only: the two-CTA
-      // kernel's 64 registers would spill more for it.
+      // groups: a few ballot steps instead of the count, scan and owner search below. The
+      // one-CTA-an-SM kernel only: the two-CTA kernel's 64 registers would spill more for it.
       unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
 #pragma unroll
       for (int g = 2; g <= 4; ++g)
