@@ -177,6 +177,38 @@ def test_tree_build_on_deep_trees(ops, budget, K):
         assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, B
 
 
+@pytest.mark.parametrize("K", [40, 50, 64, 100])
+def test_tree_build_levels_led_by_one_or_two_parents(ops, K):
+    """Levels of a few parents with many children beside many with few (a drafter sure of its
+    first one to three tokens, flat after): the one-CTA kernel takes up to two such lead
+    parents first, by 32-rank ballots; rows of K not a multiple of 32, lead parents with more
+    than 32 children, and three leads (the general path) among them."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    B, L = 16, 6
+    lp = np.empty((B, L, K), dtype=np.float32)
+    for b in range(B):  # depth 1: 1-3 sure tokens, the rest below; depth 2 wide; then steep
+        lead = 1 + b % 3
+        lp[b, 0] = np.sort(rng.uniform(-1.0 - K / 40, -1.0, K))[::-1]
+        lp[b, 0, :lead] = np.sort(rng.uniform(-0.3, -0.01, lead))[::-1]
+        lp[b, 1] = np.sort(rng.uniform(-1.0 - K / 40, -0.05, K))[::-1]
+        for d in range(2, L):
+            lp[b, d] = np.sort(rng.uniform(-8.0, -3.0, K))[::-1]
+            lp[b, d, 0] = -rng.uniform(0.3, 1.0)
+    ids = torch.as_tensor(rng.permuted(np.tile(np.arange(4 * K), (B, L, 1)), axis=2)[:, :, :K].copy())
+    budgets = rng.integers(32, 129, B)
+    want, st = gpu_vs_cpu(ops, torch.as_tensor(lp), ids, budgets, np.arange(B), np.arange(B))
+    assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
+    # The trees have the shape meant: a depth-1 level of 5-32 nodes, one of them parent to 16 or more.
+    shaped = 0
+    for b in range(B):
+        n = int(want.node_counts[b])
+        depth, parent = want.depths[b, 1:n + 1], want.parents[b, 1:n + 1]
+        level1 = np.flatnonzero(depth == 1) + 1
+        kids = [int(np.sum(parent[depth == 2] == p)) for p in level1]
+        shaped += 5 <= len(level1) <= 32 and max(kids, default=0) >= 16
+    assert shaped >= 2, shaped
+
+
 @pytest.mark.parametrize("budget,K,V,seed", [(1024, 256, 8192, 1), (256, 64, 8192, 21), (512, 128, 4000, 19)])
 def test_tree_build_ties_at_the_budget_th_score_stay_on_the_threshold_path(ops, budget, K, V, seed):
     """Requests whose ties at the budget-th score alone fill the node buffer (coarse rows,
