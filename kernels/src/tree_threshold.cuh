@@ -657,58 +657,6 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
   return total;
 }
 
-constexpr int NARROW_WIDE_PARENTS = 64;  // the one-CTA kernel's warp 0 takes levels of up to this many parents
-constexpr int NARROW_WIDE_STEPS = 8;     // grouped ballot steps such a level may take
-
-// A level of 33-64 parents of rows wider than 32 on warp 0, two parents a lane, by the grouped
-// ballots of materialise_narrow (lead parents first): where every parent's children but up to
-// NARROW_LEAD_MAX parents' lie in its first G ranks. Returns the level's count, or -1 where
-// that does not hold or it would take more than NARROW_WIDE_STEPS steps: the block takes it.
-__device__ int materialise_narrow64(const Threshold& t, const float* row, int keff, int d, double tau,
-                                    int lb, int le, int lane) {
-  const int n = le - lb, room = t.cap - le;
-  if (keff <= 32) return -1;
-  const double sv0 = t.score[lb + lane];  // n > 32
-  const double sv1 = lb + 32 + lane < le ? t.score[lb + 32 + lane] : 0.0;
-  unsigned reach0[3], reach1[3];  // parents 0-31 / 32-63 whose child of rank 3, 7, 15 reaches tau
-#pragma unroll
-  for (int g = 2; g <= 4; ++g) {
-    const double x = (double)row[(1 << g) - 1];
-    reach0[g - 2] = __ballot_sync(FULL_MASK, KD_DADD(sv0, x) >= tau);
-    reach1[g - 2] = __ballot_sync(FULL_MASK, lb + 32 + lane < le && KD_DADD(sv1, x) >= tau);
-  }
-  if (__popc(reach0[2]) + __popc(reach1[2]) > NARROW_LEAD_MAX) return -1;
-  const unsigned lead0 = reach0[2], lead1 = reach1[2];
-  const int lg = ((reach0[0] & ~lead0) | (reach1[0] & ~lead1)) == 0u ? 2
-               : ((reach0[1] & ~lead0) | (reach1[1] & ~lead1)) == 0u ? 3 : 4;
-  const int per = 32 >> lg;
-  if (n > NARROW_WIDE_STEPS * per) return -1;
-  int total = 0;
-  for (int h = 0; h < 2; ++h)
-    for (unsigned w = h ? lead1 : lead0; w != 0u; w &= w - 1u) {
-      const int q = __ffs(w) - 1;
-      const double sp = __shfl_sync(FULL_MASK, h ? sv1 : sv0, q);
-      for (int r0 = 0; r0 < keff; r0 += 32) {
-        const int r = r0 + lane;
-        const double x = r < keff ? (double)row[r] : 0.0;
-        const double sc = KD_DADD(sp, x);
-        if (ballot_children(t, d, r < keff && sc >= tau, lb + 32 * h + q, r, sp, x, sc, le, room, total) != FULL_MASK)
-          break;
-      }
-    }
-  const int j = lane >> lg, r = lane & ((1 << lg) - 1);
-  const double x = (double)row[r];
-  for (int p0 = 0; p0 < n; p0 += per) {  // a step's parents lie in one half: per divides 32
-    const int q = p0 + j, h = p0 >> 5;
-    const double sp = __shfl_sync(FULL_MASK, h ? sv1 : sv0, q & 31);
-    const bool led = (((h ? lead1 : lead0) >> (q & 31)) & 1u) != 0u;
-    const double sc = KD_DADD(sp, x);
-    ballot_children(t, d, q < n && !led && sc >= tau, lb + q, r, sp, x, sc, le, room, total);
-  }
-  __syncwarp();
-  return total;
-}
-
 // Levels from *d (parents [*lb, *le)) while they are narrow (at most 32 parents), by warp 0
 // alone: a block level pays the block barrier, the counter and its read-back, and a
 // budget-16 tree is often a chain of 15 such levels (docs/kernels/tree_build.md, v3g). Runs
@@ -722,11 +670,9 @@ __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, i
   int* state = t.scratch + TS_NARROW;
   if (tid < 32) {
     int wd = *d, wlb = *lb, wle = *le;
-    while (wd < L && wle - wlb <= (WIDE ? NARROW_WIDE_PARENTS : 32)) {
-      const float* row = t.lp + wd * t.ld;
-      const int total = WIDE && wle - wlb > 32 ? materialise_narrow64(t, row, keff, wd, tau, wlb, wle, tid)
-                                                : materialise_narrow<WIDE>(t, row, keff, wd, tau, wlb, wle, tid);
-      if (total < 0 || total > t.cap - wle) break;
+    while (wd < L && wle - wlb <= 32) {
+      const int total = materialise_narrow<WIDE>(t, t.lp + wd * t.ld, keff, wd, tau, wlb, wle, tid);
+      if (total > t.cap - wle) break;
       if (total == 0) { wd = L; break; }
       wlb = wle;
       wle += total;
@@ -1644,7 +1590,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
 #ifdef __CUDA_ARCH__
           // The redone level and the ones after are often narrow again (a raise keeps
           // about `budget` nodes): warp 0 takes them without block barriers.
-          if (le - lb <= (WIDE ? NARROW_WIDE_PARENTS : 32)) narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
+          if (le - lb <= 32) narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
 #endif
           continue;
         }
@@ -1675,7 +1621,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       // warp 0, as after a raise: a block level costs ~2k cycles of barriers and counters.
       // Every thread has read this level's count after the barrier; then all three
       // counters are zero, as narrow_levels leaves them for the levels after it.
-      if (d < L && le - lb <= (WIDE ? NARROW_WIDE_PARENTS : 32)) {
+      if (d < L && le - lb <= 32) {
         KD_BARRIER();
         clear_level_counters(t, tid);
         narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
