@@ -384,8 +384,7 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int64_t* depths, int32_t* parents, int64_t* positions,
                               int64_t* next_token, int64_t* next_sibling, uint8_t* visibility,
                               int32_t* visibility_bits, int32_t* status, void* stream) {
-  if (!build_shape_ok(B, L, K, D)) return KD_ERR_ARGUMENT;
-  if (B == 0) return 0;
+  if (B == 0) return build_shape_ok(B, L, K, D) ? 0 : KD_ERR_ARGUMENT;  // no device query for an empty batch
   kd_build_plan p;
   const int rc = kd_build_plan_make(B, L, K, D, visibility || visibility_bits, &p);
   if (rc != 0) return rc;

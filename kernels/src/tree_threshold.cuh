@@ -537,6 +537,20 @@ __device__ __forceinline__ unsigned ballot_children(const Threshold& t, int d, b
   return mask;
 }
 
+// One parent's children on a narrow level of rows wider than 32: 32 ranks a ballot step, on
+// until a step's ballot is not full (the children are a rank prefix). x0 is rank `lane`'s
+// log-prob, read once for the level.
+__device__ __forceinline__ void ballot_parent(const Threshold& t, const float* row, int keff, int d, double tau,
+                                              int p, double sp, double x0, int le, int room, int& total) {
+  const int lane = threadIdx.x & 31;
+  for (int r0 = 0; r0 < keff; r0 += 32) {
+    const int r = r0 + lane;
+    const double x = r0 == 0 ? x0 : (r < keff ? (double)row[r] : 0.0);
+    const double sc = KD_DADD(sp, x);
+    if (ballot_children(t, d, r < keff && sc >= tau, p, r, sp, x, sc, le, room, total) != FULL_MASK) break;
+  }
+}
+
 // materialise_level for a level of at most 32 parents, by one warp: the children of
 // parents [lb, le) scoring >= tau at le, in the layout the block version writes (each
 // parent's children contiguous, ranks ascending), without its atomic and barrier.
@@ -571,22 +585,14 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
       return total;
     }
   } else if (le - lb <= NARROW_BALLOT_STEPS) {
-    // Wider rows, a few parents: a parent at a time, 32 ranks a step, on until a step's
-    // ballot is not full (the children are a rank prefix). A level of one to four parents
-    // takes a step or two each, not the search, scan and owner search below. The first 32
-    // ranks and the parents' scores are read once for the whole level.
+    // Wider rows, a few parents: a parent at a time (ballot_parent). A level of one to four
+    // parents takes a step or two each, not the search, scan and owner search below. The
+    // first 32 ranks and the parents' scores are read once for the whole level.
     const double x0 = (double)row[lane];  // keff > 32: rank `lane` exists
     const double sv = lb + lane < le ? t.score[lb + lane] : 0.0;
     int total = 0;
-    for (int p = lb; p < le; ++p) {
-      const double sp = __shfl_sync(FULL_MASK, sv, p - lb);
-      for (int r0 = 0; r0 < keff; r0 += 32) {
-        const int r = r0 + lane;
-        const double x = r0 == 0 ? x0 : (r < keff ? (double)row[r] : 0.0);
-        const double sc = KD_DADD(sp, x);
-        if (ballot_children(t, d, r < keff && sc >= tau, p, r, sp, x, sc, le, room, total) != FULL_MASK) break;
-      }
-    }
+    for (int p = lb; p < le; ++p)
+      ballot_parent(t, row, keff, d, tau, p, __shfl_sync(FULL_MASK, sv, p - lb), x0, le, room, total);
     __syncwarp();
     return total;
   } else {
@@ -597,39 +603,29 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     const int p = lb + lane;
     const double sv = p < le ? t.score[p] : 0.0;
     int lg = 0;
-    unsigned lead = 0u;  // lead parents, taken first, a parent at a time
-    if (WIDE) {
-      // Where only a few parents have 16 children or more (the drafter sure of one token:
-      // its rank-0 node has dozens), those go first, by 32 ranks a ballot, and the others by
-      // groups: a few ballot steps instead of the count, scan and owner search below. The
-      // one-CTA-an-SM kernel only: the two-CTA kernel's 64 registers would spill more for it.
-      unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
+    unsigned reach[3] = {0u, 0u, 0u};  // parents whose child of rank 3, 7, 15 reaches tau
 #pragma unroll
-      for (int g = 2; g <= 4; ++g)
-        if (lg == 0) {
-          reach[g - 2] = __ballot_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau);
-          if (reach[g - 2] == 0u) lg = g;
-        }
-      if (lg == 0 && __popc(reach[2]) <= NARROW_LEAD_MAX) {
-        lead = reach[2];
-        lg = (reach[0] & ~lead) == 0u ? 2 : (reach[1] & ~lead) == 0u ? 3 : 4;
+    for (int g = 2; g <= 4; ++g)
+      if (lg == 0) {
+        reach[g - 2] = __ballot_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau);
+        if (reach[g - 2] == 0u) lg = g;
       }
-    } else {
-      for (int g = 2; g <= 4 && lg == 0; ++g)
-        if (!__any_sync(FULL_MASK, p < le && KD_DADD(sv, (double)row[(1 << g) - 1]) >= tau)) lg = g;
+    // Where only a few parents have 16 children or more (the drafter sure of one token: its
+    // rank-0 node has dozens), those lead parents go first, a parent at a time, and the
+    // others by groups: a few ballot steps instead of the count, scan and owner search below.
+    // The one-CTA-an-SM kernel only: the two-CTA kernel's 64 registers would spill more for it.
+    unsigned lead = 0u;
+    if (WIDE && lg == 0 && __popc(reach[2]) <= NARROW_LEAD_MAX) {
+      lead = reach[2];
+      lg = (reach[0] & ~lead) == 0u ? 2 : (reach[1] & ~lead) == 0u ? 3 : 4;
     }
     const int per = 32 >> lg;
     if (lg > 0 && le - lb <= NARROW_BALLOT_STEPS * per) {
       int total = 0;
       for (unsigned w = lead; w != 0u; w &= w - 1u) {
         const int q = __ffs(w) - 1;
-        const double sp = __shfl_sync(FULL_MASK, sv, q);
-        for (int r0 = 0; r0 < keff; r0 += 32) {
-          const int r = r0 + lane;
-          const double x = r < keff ? (double)row[r] : 0.0;
-          const double sc = KD_DADD(sp, x);
-          if (ballot_children(t, d, r < keff && sc >= tau, lb + q, r, sp, x, sc, le, room, total) != FULL_MASK) break;
-        }
+        ballot_parent(t, row, keff, d, tau, lb + q, __shfl_sync(FULL_MASK, sv, q), (double)row[lane], le, room,
+                      total);
       }
       const int j = lane >> lg, r = lane & ((1 << lg) - 1);
       const double x = (double)row[r];
