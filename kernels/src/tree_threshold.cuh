@@ -624,8 +624,15 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
       int total = 0;
       for (unsigned w = lead; w != 0u; w &= w - 1u) {
         const int q = __ffs(w) - 1;
-        ballot_parent(t, row, keff, d, tau, lb + q, __shfl_sync(FULL_MASK, sv, q), (double)row[lane], le, room,
-                      total);
+        const double sp = __shfl_sync(FULL_MASK, sv, q);
+        // ballot_parent's steps with rank `lane` read in the loop: through ballot_parent the
+        // one-CTA kernel's code moved and measured up to 5% slower (tree_build.md, session 58).
+        for (int r0 = 0; r0 < keff; r0 += 32) {
+          const int r = r0 + lane;
+          const double x = r < keff ? (double)row[r] : 0.0;
+          const double sc = KD_DADD(sp, x);
+          if (ballot_children(t, d, r < keff && sc >= tau, lb + q, r, sp, x, sc, le, room, total) != FULL_MASK) break;
+        }
       }
       const int j = lane >> lg, r = lane & ((1 << lg) - 1);
       const double x = (double)row[r];
