@@ -44,16 +44,26 @@ def cuda_device(device=None) -> torch.device:
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def _is_int(v) -> bool:
+    """A plain integer: a bool is an int to Python, never a size here."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _check_sizes(*sizes) -> None:
     """(name, value, lo) triples: each value a plain integer >= lo, else InputError naming it."""
     for name, v, lo in sizes:
-        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        if not _is_int(v) or v < lo:
             raise InputError(f"{name}: expected an integer >= {lo}, got {v!r}")
 
 
 def _check_d_max(d_max) -> None:
-    if not isinstance(d_max, int) or isinstance(d_max, bool) or not 1 <= d_max <= MAX_BUDGET + 1:
+    if not _is_int(d_max) or not 1 <= d_max <= MAX_BUDGET + 1:
         raise InputError(f"d_max: expected an integer 1 <= d_max <= {MAX_BUDGET + 1}, got {d_max!r}")
+
+
+def _check_num_splits(num_splits) -> None:
+    if num_splits is not None and (not _is_int(num_splits) or not 1 <= num_splits <= MAX_SPLITS):
+        raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
 
 
 def _ptr(t: torch.Tensor | None):
@@ -314,8 +324,7 @@ def tree_accept(tokens, target, max_depth: int, *, parents=None, node_counts=Non
             (parents is None) != (node_counts is None) or (next_token is None) != (next_sibling is None):
         raise InputError("tree_accept: expected the tree as parents= and node_counts=, or as next_token= "
                          "and next_sibling=, not both and not neither")
-    if not isinstance(max_depth, int) or isinstance(max_depth, bool) or max_depth < 0:
-        raise InputError(f"max_depth: expected an integer >= 0, got {max_depth!r}")
+    _check_sizes(("max_depth", max_depth, 0))
     c = _tensor("tokens", tokens, torch.int64, (None, None))
     dev = c.device
     B, D = c.shape
@@ -394,8 +403,7 @@ class TreeVerifyPlan:
         _check_sizes(("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1), ("max_pages", max_pages, 1))
         if kernel not in VERIFY_KERNELS:
             raise InputError(f"kernel: expected one of {VERIFY_KERNELS}, got {kernel!r}")
-        if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
-            raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
+        _check_num_splits(num_splits)
         self.device = cuda_device(device)
         self.kernel_request = kernel
         self._plan = KdVerifyPlan()
@@ -530,8 +538,7 @@ def tree_verify(q, kv_cache, block_table, seq_lens, visibility, scale: float, *,
         raise InputError("block_table: expected at least one page a request, got 0 columns")
     if kv_cache.shape[0] < 1 or kv_cache.shape[1] < 1:
         raise InputError(f"kv_cache: expected at least one page of at least one row, got shape {tuple(kv_cache.shape)}")
-    if num_splits is not None and (not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS):
-        raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}], got {num_splits!r}")
+    _check_num_splits(num_splits)
     dev = q.get_device()
     key = (B, D, H, kv_cache.shape[1], block_table.shape[1], dev, kernel, num_splits)
     plan = _PLANS.get(key)

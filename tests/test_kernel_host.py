@@ -241,8 +241,11 @@ def test_bindings_name_bad_arguments_without_a_gpu():
                         torch.zeros(1, 1, dtype=torch.int32), None, None, 0.13)
     with pytest.raises(InputError, match="kernel: expected one of"):
         ops.TreeVerifyPlan(1, 2, 8, 64, 4, kernel="fastest")
-    with pytest.raises(InputError, match="num_splits: expected an integer in"):
-        ops.TreeVerifyPlan(1, 2, 8, 64, 4, num_splits=0)
+    for bad in (0, 129, True):  # a bool is not a split count
+        with pytest.raises(InputError, match="num_splits: expected an integer in"):
+            ops.TreeVerifyPlan(1, 2, 8, 64, 4, num_splits=bad)
+    with pytest.raises(InputError, match="max_depth: expected an integer >= 0"):
+        ops.tree_accept(z, z, True, parents=z, node_counts=z)
     with pytest.raises(InputError, match="page_size: expected an integer >= 1"):
         ops.TreeVerifyPlan(1, 2, 8, 0, 4)
 
