@@ -98,7 +98,8 @@ VERIFY_IMPLS = {"kdtree_kernel": "kdtree (dispatched kernel)",
                 "kdtree_wgmma_cp_async": "kdtree, wgmma with cp.async keys (not TMA)",
                 "kdtree_wgmma_combine": "kdtree, splits merged by the combine kernel",
                 "torch_sdpa_tree_mask": "torch SDPA + tree mask",
-                "flashmla": "FlashMLA dense decode, chain mask (peer)"}
+                "flashmla": "FlashMLA dense decode, chain mask (peer)",
+                "sglang_triton": "SGLang Triton extend attention, tree mask (peer)"}
 
 
 def verify_attn(df: pd.DataFrame, path):

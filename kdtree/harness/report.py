@@ -6,7 +6,8 @@ import pathlib
 import pandas as pd
 
 from .breakdown import breakdown_table
-from .results import VERIFY_KEYS, alternated, flashmla_ratio, read_ok_rows, sustained_ratio, write_text_atomic
+from .results import (VERIFY_KEYS, alternated, flashmla_ratio, peer_ratio, read_ok_rows, sustained_ratio,
+                      write_text_atomic)
 from .targets import check_targets
 
 
@@ -66,6 +67,7 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
         cols = ["heads", "D", "prefix", "batch", "page_size", "impl", "median_us", "floor_us", "roofline_fraction"]
         parts += ["## Tree-verify attention", "", _md(d[cols].sort_values(cols[:6])), ""]
         parts += flashmla_section(d)
+        parts += sglang_triton_section(d)
     d = read_ok_rows(rd / "tree_accept.parquet")
     if d is not None:
         keys = ["batch", "D"] + (["follow"] if "follow" in d else [])
@@ -146,6 +148,22 @@ def flashmla_section(d: pd.DataFrame) -> list[str]:
             "FlashMLA's dense bf16 decode (`use_legacy=True`) takes a causal chain mask, kdtree a random tree "
             f"mask; both read the same paged cache (page size 64). {order} Above 1: kdtree is faster.", "",
             _md(t.sort_values(VERIFY_KEYS)), ""]
+
+
+def sglang_triton_section(d: pd.DataFrame) -> list[str]:
+    """kdtree against SGLang's Triton tree verify per shape (page size 1, same run and inputs)."""
+    m = peer_ratio(d, "sglang_triton")
+    if m is None:
+        return []
+    ver = d.loc[d.impl == "sglang_triton", "peer_version"].dropna() if "peer_version" in d else []
+    t = m[VERIFY_KEYS + ["median_us", "median_us_peer", "ratio"]].rename(columns={
+        "median_us": "median_us_kdtree", "median_us_peer": "median_us_sglang_triton",
+        "ratio": "SGLang time / kdtree time"})
+    return ["## kdtree against SGLang's Triton tree verify (same run, same inputs)", "",
+            f"SGLang{' ' + ver.iloc[0] if len(ver) else ''}'s `extend_attention_fwd`, what its Triton backend runs "
+            "to verify an MLA tree: the prefix through `kv_indices`, the tree slots as extend tokens, the tree "
+            "in the custom mask; page size 1 (its token pool), eager calls; its output matched kdtree's before "
+            "it was timed. Above 1: kdtree is faster.", "", _md(t.sort_values(VERIFY_KEYS)), ""]
 
 
 def sustained_section(d: pd.DataFrame) -> list[str]:

@@ -132,16 +132,21 @@ class ResumableSweep:
 VERIFY_KEYS = ["heads", "D", "prefix", "batch", "page_size"]
 
 
-def flashmla_ratio(d: pd.DataFrame, extra: tuple = ()) -> pd.DataFrame | None:
-    """kdtree's verify rows joined with FlashMLA's on the same shapes (same run and inputs):
-    ``median_us`` kdtree's, ``median_us_fm`` FlashMLA's (and so for the `extra` columns),
-    ``ratio`` FlashMLA's time over kdtree's; None without FlashMLA rows."""
-    fm = d[d.impl == "flashmla"]
-    if fm.empty:
+def peer_ratio(d: pd.DataFrame, peer: str, extra: tuple = (), suffix: str = "_peer") -> pd.DataFrame | None:
+    """kdtree's verify rows joined with a peer's (`impl` == peer) on the same shapes (same run
+    and inputs): ``median_us`` kdtree's, ``median_us`` + `suffix` the peer's (and so for the
+    `extra` columns), ``ratio`` the peer's time over kdtree's; None without the peer's rows."""
+    pr = d[d.impl == peer]
+    if pr.empty:
         return None
-    m = d[d.impl == "kdtree_kernel"].merge(fm[VERIFY_KEYS + ["median_us", *extra]], on=VERIFY_KEYS,
-                                           suffixes=("", "_fm"))
-    return m.assign(ratio=m.median_us_fm / m.median_us)
+    m = d[d.impl == "kdtree_kernel"].merge(pr[VERIFY_KEYS + ["median_us", *extra]], on=VERIFY_KEYS,
+                                           suffixes=("", suffix))
+    return m.assign(ratio=m["median_us" + suffix] / m.median_us)
+
+
+def flashmla_ratio(d: pd.DataFrame, extra: tuple = ()) -> pd.DataFrame | None:
+    """peer_ratio against FlashMLA, its columns suffixed ``_fm``."""
+    return peer_ratio(d, "flashmla", extra, suffix="_fm")
 
 
 def alternated(d: pd.DataFrame) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from .results import VERIFY_KEYS, alternated, flashmla_ratio, read_ok_rows, sustained_ratio
+from .results import VERIFY_KEYS, alternated, flashmla_ratio, peer_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -52,6 +52,11 @@ def summary(results_dir) -> str:
         lines += [f"Verify attention against FlashMLA's dense decode on the same inputs ({len(m)} shapes, "
                   f"page size 64{clock}): kdtree at {ratio.min():.2f}-{ratio.max():.2f}x its speed, "
                   f"median {ratio.median():.2f}x.", ""]
+    m = peer_ratio(v, "sglang_triton") if v is not None else None
+    if m is not None:
+        lines += [f"Verify attention against SGLang's own Triton tree verify on the same inputs ({len(m)} shapes, "
+                  f"page size 1): kdtree {m.ratio.min():.3g}-{m.ratio.max():.3g}x faster, median "
+                  f"{m.ratio.median():.3g}x.", ""]
     if v is not None and {1, 64} <= set(v.page_size):
         keys = [c for c in VERIFY_KEYS if c != "page_size"]  # the same shape at both page sizes
         k = v[v.impl == "kdtree_kernel"]

@@ -1,8 +1,7 @@
 """CPU (the reference heapq build, SGLang's builder if present) against the GPU kernel."""
 from __future__ import annotations
 
-import importlib.util
-
+from .. import sglang_peers
 from ..gpu import cuda_available, ensure_fits
 from ..timing import time_cpu, time_eager_latency, time_graph
 from ...reference.tree import _check_stage_b, heap_build
@@ -16,18 +15,26 @@ def point_seed(seed: int, batch: int, budget: int) -> int:
     return seed + batch * 7919 + budget
 
 
-def sglang_builder():
-    """SGLang's own DDTree builder, if this environment has one (else None)."""
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    for mod, attr in (("sglang.srt.speculative.ddtree_utils", "build_ddtree_tree"),
-                      ("sglang.srt.speculative.ddtree", "build_ddtree_tree")):
-        try:
-            m = importlib.import_module(mod)
-            return getattr(m, attr)
-        except (ImportError, AttributeError):
-            continue
-    return None
+def sglang_row(p: dict, cfg: dict, lp, ids, budget: int) -> dict:
+    """SGLang's DDTree worker builder (spec sglang.md step 2) on the host copies of the same
+    rows, a request at a time as the worker calls it, where SGLang has one; its first
+    request's tree checked against the reference's before it is timed."""
+    from ...sglang import reference as sglang_ref
+
+    row = dict(p, impl="sglang", metric="batch_time", kernel=sglang_peers.BUILDER,
+               peer_version=sglang_peers.sglang_version())
+    fn, why = sglang_peers.builder()
+    if fn is None:
+        return dict(row, status="not_available", reason=f"no SGLang DDTree builder: {why}")
+    try:
+        got, want = fn(lp[0], ids[0], budget), sglang_ref.build_ddtree_tree_from_topk(lp[0], ids[0], budget)
+        if not sglang_peers.same_tree(got, want):
+            return dict(row, status="error", reason="its tree for request 0 differs from the reference build's")
+        t = time_cpu(lambda: [fn(lp[b], ids[b], budget) for b in range(lp.shape[0])],
+                     reps=cfg["cpu_reps"], max_seconds=cfg["cpu_max_seconds"])
+    except Exception as e:  # a builder that fails on these inputs is a row, not a crash
+        return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
+    return dict(row, **t)
 
 
 def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
@@ -42,11 +49,7 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     cpu = time_cpu(lambda: [heap_build(*c) for c in checked],
                    reps=cfg["cpu_reps"], max_seconds=cfg["cpu_max_seconds"])
     rows.append(dict(p, impl="cpu_heapq", metric="batch_time", **cpu))
-    sg = sglang_builder()
-    rows.append(dict(p, impl="sglang", metric="batch_time", status="not_available",
-                     reason="sglang not importable or has no DDTree builder") if sg is None else
-                dict(p, impl="sglang", metric="batch_time", status="not_available",
-                     reason="sglang builder found; its signature is not wired up yet"))
+    rows.append(sglang_row(p, cfg, lp, ids, budget))
     if not gpu:
         rows.append(dict(p, impl="gpu_kernel", metric="device_time", status="skipped",
                          reason="no CUDA device"))

@@ -5,6 +5,7 @@ import itertools
 import math
 
 from ...reference.attention import LATENT_DIM, QK_DIM, attention_bytes, attention_flops
+from .. import sglang_peers
 from ..gpu import ensure_fits, measure_ceilings
 from ..timing import ALTERNATING, time_events, time_graph, time_graphs_alternating
 from ..workloads import page_order
@@ -146,6 +147,41 @@ def flashmla_error(row: dict, e: Exception) -> dict:
     return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
 
 
+def sglang_triton_row(base: dict, q, caches, table, seq, vis, scale: float, kd_out, reps: int) -> dict:
+    """SGLang's Triton tree verify (extend_attention_fwd with the custom mask, what its Triton
+    backend runs for MLA trees) on the same inputs at page size 1, its output checked against
+    kdtree's before it is timed (eager calls: milliseconds each); a not_available row where
+    SGLang does not import or the page size is not its pool's."""
+    import torch
+
+    row = dict(base, impl="sglang_triton", kernel=sglang_peers.TRITON_FUNCTION,
+               peer_version=sglang_peers.sglang_version())
+    if caches[0].shape[1] != sglang_peers.TRITON_PAGE:
+        return dict(row, status="not_available",
+                    reason=f"timed at page size {sglang_peers.TRITON_PAGE} only (SGLang's token pool)")
+    fn, why = sglang_peers.triton_verify()
+    if fn is None:
+        return dict(row, status="not_available", reason=f"SGLang's Triton kernel not importable: {why}")
+    try:
+        call, out = sglang_peers.triton_call(fn, q, caches, table, seq, vis, scale)
+        call()   # the first copy, against kdtree's output on the same keys
+        torch.cuda.synchronize()
+        diff, ref = (out.float() - kd_out.float()).abs(), kd_out.float().abs()
+        if not bool((diff <= TRITON_TOL * (1 + ref)).all()):   # NaN fails too
+            return dict(row, status="error", reason=f"output differs from kdtree's by up to {float(diff.max()):.3g}"
+                        f" (allowed {TRITON_TOL} x (1 + |kdtree's|))")
+        return timed_row(row, time_events(call, reps=reps))
+    except Exception as e:  # a shape it refuses, or out of memory: a row, not a crash
+        return dict(row, status="error", reason=f"{type(e).__name__}: {e}"[:300])
+    finally:
+        torch.cuda.empty_cache()
+
+
+# Two bf16 attentions of the same f32 math, each rounded to bf16 (2^-8 relative, so up to
+# ~0.03 apart at |x| ~ 2); a wrong mask or scale moves outputs by ~0.1 or more.
+TRITON_TOL = 0.02
+
+
 def timed_row(row: dict, t: dict) -> dict:
     """A row with its timing and the fractions of the roofline and copy bandwidth it reaches."""
     return dict(row, roofline_fraction=row["floor_us"] / t["median_us"],
@@ -257,6 +293,9 @@ def measure_point(p: dict, cfg: dict, ceilings: dict) -> list[dict]:
         rows.append(kernel_row(f"kdtree_{path}", path))
     if fm_row is not None:
         rows.append(fm_row)
+    if cfg.get("compare_sglang_triton", True):
+        rows.append(sglang_triton_row(base, q, caches, table, seq, vis, scale, out.out,
+                                      reps=max(3, cfg["gpu_replays"] // 5)))
     sdpa_elems = B * D * H * S
     if sdpa_elems > cfg["sdpa_max_elems"]:
         rows.append(dict(base, impl="torch_sdpa_tree_mask", status="skipped",
