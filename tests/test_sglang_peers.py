@@ -185,5 +185,5 @@ def test_summary_line_for_sglang_triton(tmp_path):
                   dict(shape, prefix=8192, impl="sglang_triton", median_us=1000.0)]
                  ).to_parquet(tmp_path / "verify_attn.parquet")
     text = summary.summary(tmp_path)
-    assert "SGLang's own Triton tree verify on the same inputs (2 shapes, page size 1): kdtree 25-50x faster, " \
+    assert "Against SGLang's Triton tree verify (same inputs, 2 shapes, page size 1): kdtree 25-50x faster, " \
            "median 37.5x." in text
