@@ -247,3 +247,33 @@ def test_dropin_errors_name_the_argument():
         va.prepare(torch.zeros(bs, dtype=torch.int16, device=DEV), prefix)
     with pytest.raises(InputError, match=r"prefix_lens: expected an int32 or int64 \[2\] tensor"):
         va.prepare(torch.zeros(bs, dtype=torch.int32, device=DEV), None)
+
+
+@pytest.mark.parametrize("B,D,H,P", [(2, 17, 8, 300), (1, 65, 16, 1000), (3, 5, 64, 0), (2, 1, 8, 129)])
+def test_sglang_triton_peer_reads_the_same_attention(B, D, H, P):
+    """The verify sweep's SGLang peer, where SGLang's Triton kernel imports: the inputs laid out
+    as its backend hands them over give kdtree's reference attention (so the sweep times the
+    same work), on fresh random trees, with P = 0 and one slot among the shapes."""
+    from kdtree.harness import sglang_peers
+
+    fn, why = sglang_peers.triton_verify()
+    if fn is None:
+        pytest.skip(f"SGLang's Triton kernel does not import here: {why[:120]}")
+    g = torch.Generator(device=DEV).manual_seed(B * 1000 + D + H + P)
+    S = P + D
+    cache = torch.randn(B * S + 7, 1, 576, device=DEV, generator=g).bfloat16()
+    table = torch.randperm(B * S + 7, device=DEV, generator=g)[:B * S].view(B, S).int()
+    q = torch.randn(B, D, H, 576, device=DEV, generator=g).bfloat16()
+    vis = torch.zeros(B, D, D, dtype=torch.bool, device=DEV)
+    for i in range(D):
+        if i:
+            vis[:, i] = vis[torch.arange(B, device=DEV), torch.randint(0, i, (B,), device=DEV, generator=g)]
+        vis[:, i, i] = True
+    seq = torch.full((B,), S, dtype=torch.int32, device=DEV)
+    call, out = sglang_peers.triton_call(fn, q, [cache], table, seq, vis, SCALE)
+    out.fill_(float("nan"))
+    call()
+    torch.cuda.synchronize()
+    want, _ = verify_attention_ref(q, cache, table, seq, vis, SCALE)
+    err = (out.double() - want).abs().max().item()
+    assert err < 2e-2, err
