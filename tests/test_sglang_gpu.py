@@ -255,21 +255,12 @@ def test_sglang_triton_peer_reads_the_same_attention(B, D, H, P):
     as its backend hands them over give kdtree's reference attention (so the sweep times the
     same work), on fresh random trees, with P = 0 and one slot among the shapes."""
     from kdtree.harness import sglang_peers
+    from kdtree.harness.sweeps.verify_attn import gpu_case
 
     fn, why = sglang_peers.triton_verify()
     if fn is None:
         pytest.skip(f"SGLang's Triton kernel does not import here: {why[:120]}")
-    g = torch.Generator(device=DEV).manual_seed(B * 1000 + D + H + P)
-    S = P + D
-    cache = torch.randn(B * S + 7, 1, 576, device=DEV, generator=g).bfloat16()
-    table = torch.randperm(B * S + 7, device=DEV, generator=g)[:B * S].view(B, S).int()
-    q = torch.randn(B, D, H, 576, device=DEV, generator=g).bfloat16()
-    vis = torch.zeros(B, D, D, dtype=torch.bool, device=DEV)
-    for i in range(D):
-        if i:
-            vis[:, i] = vis[torch.arange(B, device=DEV), torch.randint(0, i, (B,), device=DEV, generator=g)]
-        vis[:, i, i] = True
-    seq = torch.full((B,), S, dtype=torch.int32, device=DEV)
+    q, cache, table, seq, vis = gpu_case(B, D, H, P, 1, seed=B * 1000 + D + H + P)  # the sweep's inputs
     call, out = sglang_peers.triton_call(fn, q, [cache], table, seq, vis, SCALE)
     out.fill_(float("nan"))
     call()

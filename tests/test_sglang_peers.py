@@ -25,6 +25,14 @@ def no_sglang(monkeypatch):
         if name == "sglang" or name.startswith("sglang."):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "sglang", None)
+    clear_lookups()
+    yield
+    clear_lookups()   # no fake module's function outlives its test
+
+
+def clear_lookups():
+    for lookup in (sglang_peers.builder, sglang_peers.triton_verify, sglang_peers.sglang_version):
+        lookup.cache_clear()
 
 
 def fake_module(monkeypatch, name: str, **attrs):
@@ -32,6 +40,7 @@ def fake_module(monkeypatch, name: str, **attrs):
     for k, v in attrs.items():
         setattr(mod, k, v)
     monkeypatch.setitem(sys.modules, name, mod)
+    clear_lookups()   # the sweeps look SGLang up once a process
     return mod
 
 

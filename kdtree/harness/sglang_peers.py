@@ -6,6 +6,7 @@ that says why; nothing here installs or imitates SGLang.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 
@@ -49,6 +50,7 @@ def _find(modules, name: str, params: tuple):
     return None, "; ".join(tried)[:400]
 
 
+@functools.cache
 def sglang_version() -> str | None:
     try:
         return importlib.import_module("sglang.version").__version__
@@ -56,11 +58,15 @@ def sglang_version() -> str | None:
         return None
 
 
+# Looked up once a process: a sweep asks at every point, and an import that fails part-way
+# through SGLang's package would be tried again each time.
+@functools.cache
 def builder():
     """SGLang's DDTree worker builder (spec step 2), or (None, why)."""
     return _find(WORKER_MODULES, BUILDER, WORKER_FUNCTIONS[BUILDER])
 
 
+@functools.cache
 def triton_verify():
     """SGLang's Triton extend-attention kernel, or (None, why)."""
     return _find(TRITON_MODULES, TRITON_FUNCTION, TRITON_PARAMS)
@@ -81,7 +87,8 @@ def triton_inputs(q, cache, table, seq, vis):
     slots are the extend tokens, their K taken from the pool as the worker wrote them; the P
     prefix slots come through kv_indptr / kv_indices; the custom mask holds a [D, P + D] block
     a request (prefix columns true), uint8, as its graph path reads it. Returns a dict of
-    extend_attention_fwd's leading arguments by name (o_extend allocated here)."""
+    extend_attention_fwd's leading arguments by name but the pool's (o_extend allocated
+    here), and the tree slots' pool rows, for pool_args."""
     import torch
 
     B, D, H, C = q.shape
@@ -102,7 +109,7 @@ def triton_inputs(q, cache, table, seq, vis):
                 custom_mask=mask.reshape(-1), is_causal=True,
                 mask_indptr=torch.arange(B + 1, dtype=torch.int64, device=dev) * (D * S),
                 max_len_extend=D)
-    return dict(args, **pool_args(cache, slots[:, P:]))
+    return args, slots[:, P:]
 
 
 def pool_args(cache, tree_slots) -> dict:
@@ -119,9 +126,7 @@ def triton_call(fn, q, caches, table, seq, vis, scale: float):
     call writes."""
     import itertools
 
-    args = triton_inputs(q, caches[0], table, seq, vis)
-    S, D = int(seq[0]), q.shape[1]
-    tree_slots = table[:, S - D:S].long()
+    args, tree_slots = triton_inputs(q, caches[0], table, seq, vis)
     pools = itertools.cycle([pool_args(c, tree_slots) for c in caches]).__next__
     params = inspect.signature(fn).parameters
     extra = {"sm_scale": scale}
