@@ -12,6 +12,11 @@
 
 #include "tree_threshold.cuh"
 
+// 0 builds a plain launch (for same-run A/Bs against the programmatic one, kd_build_trees).
+#ifndef KD_BUILD_PDL
+#define KD_BUILD_PDL 1
+#endif
+
 namespace kd {
 namespace {
 
@@ -107,6 +112,9 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
   const int b = blockIdx.x, tid = threadIdx.x;
+#if KD_BUILD_PDL
+  pdl_wait();  // a programmatic dependent: the kernel before may still be draining
+#endif
   KD_PROF(0);
 #if defined(KD_BUILD_PROFILE) && defined(__CUDA_ARCH__)
   const long long t_begin = clock64();
@@ -299,6 +307,7 @@ struct BuildFacts {
   size_t smem_sm;    // shared memory an SM holds
   size_t cta_fixed;  // the two-CTA kernel's static shared memory and the system's reserve
   int sms;
+  int pdl;  // launch as a programmatic dependent (9.x: measured there only)
   int ready;
 };
 BuildFacts g_facts[kd::MAX_DEVICES];
@@ -326,6 +335,7 @@ int build_facts(BuildFacts** out) {
     f.smem_sm = (size_t)d->smem_sm;
     f.cta_fixed = fn.sharedSizeBytes + (size_t)d->smem_reserved;
     f.sms = d->sms;
+    f.pdl = KD_BUILD_PDL && d->major == 9;
     f.ready = 1;
   }
   *out = &f;
@@ -390,10 +400,27 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   if (rc != 0) return rc;
   const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
   auto kernel = p.wide ? kd::build_trees_kernel<true> : kd::build_trees_kernel<false>;
-  kernel<<<B, threads, (size_t)p.smem_bytes, (cudaStream_t)stream>>>(
-      top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths,
-      parents, positions, next_token, next_sibling, visibility, visibility_bits, status,
-      p.staged_ld, p.path_keys, p.node_buffer, p.vis_smem);
+  BuildFacts* f = nullptr;
+  const int frc = build_facts(&f);  // made by the plan above
+  if (frc != 0) return frc;
+  // On 9.x the build is a programmatic dependent of the kernel before it (the drafter's
+  // top-k in a decode step): its launch hides behind that kernel's tail, and its CTAs wait
+  // in pdl_wait() before reading anything. It triggers no dependent of its own.
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(B);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = (size_t)p.smem_bytes;
+  cfg.stream = (cudaStream_t)stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = f->pdl ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D,
+                                           node_counts, tokens, depths, parents, positions, next_token, next_sibling,
+                                           visibility, visibility_bits, status, p.staged_ld, p.path_keys, p.node_buffer,
+                                           p.vis_smem);
+  if (e != cudaSuccess) return (int)e;
   KD_LAUNCH_CHECK();
   return 0;
 }
