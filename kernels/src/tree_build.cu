@@ -353,9 +353,10 @@ bool wide_kernel(const BuildFacts& f, int B, size_t smem) {
 bool build_shape_ok(int B, int L, int K, int D) {
   return B >= 0 && L >= 0 && K >= 0 && D >= 1 && D <= kd::MAX_SLOTS && L <= kd::MAX_DEPTH;
 }
-}  // namespace
 
-extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan) {
+// kd_build_plan_make's work; `facts` (may be null) gets the device facts it read, so that a
+// launch reads them once.
+int make_plan(int B, int L, int K, int D, int visibility, kd_build_plan* plan, const BuildFacts** facts) {
   if (!plan || !build_shape_ok(B, L, K, D)) return KD_ERR_ARGUMENT;
   BuildFacts* f = nullptr;
   const int rc = build_facts(&f);
@@ -385,7 +386,13 @@ extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
   *plan = kd_build_plan{B, L, K, D, visibility ? 1 : 0, wide_kernel(*f, B, smem) ? 1 : 0, ts_cap, lp_ld,
                         use_keys, vis_smem, (int)smem};
+  if (facts) *facts = f;
   return 0;
+}
+}  // namespace
+
+extern "C" int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan) {
+  return make_plan(B, L, K, D, visibility, plan, nullptr);
 }
 
 extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const int32_t* budgets,
@@ -396,13 +403,11 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
                               int32_t* visibility_bits, int32_t* status, void* stream) {
   if (B == 0) return build_shape_ok(B, L, K, D) ? 0 : KD_ERR_ARGUMENT;  // no device query for an empty batch
   kd_build_plan p;
-  const int rc = kd_build_plan_make(B, L, K, D, visibility || visibility_bits, &p);
+  const BuildFacts* f = nullptr;
+  const int rc = make_plan(B, L, K, D, visibility || visibility_bits, &p, &f);
   if (rc != 0) return rc;
   const int threads = kd::BUILD_THREADS;  // 16 warps: the selection is latency-bound
   auto kernel = p.wide ? kd::build_trees_kernel<true> : kd::build_trees_kernel<false>;
-  BuildFacts* f = nullptr;
-  const int frc = build_facts(&f);  // made by the plan above
-  if (frc != 0) return frc;
   // On 9.x the build is a programmatic dependent of the kernel before it (the drafter's
   // top-k in a decode step): its launch hides behind that kernel's tail, and its CTAs wait
   // in pdl_wait() before reading anything. It triggers no dependent of its own.
