@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 10  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 9  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
@@ -34,7 +34,7 @@ class KdBuildPlan(ctypes.Structure):
 
     _fields_ = [(name, _I) for name in (
         "B", "L", "K", "D", "visibility", "wide", "node_buffer", "staged_ld", "path_keys", "vis_smem",
-        "ids_smem", "smem_bytes")]
+        "smem_bytes")]
 
 
 class KdVerifyPlan(ctypes.Structure):

@@ -254,8 +254,7 @@ def tree_build_plan(B: int, L: int, K: int, d_max: int, *, visibility: bool = Tr
     """The launch choices ``tree_build`` makes for ``B`` requests of ``L x K`` log-probs and
     ``d_max`` slots on ``device``: ``kernel`` ("wide": one CTA an SM; "two_cta": two an SM),
     ``node_buffer`` (the threshold selection's nodes; 0: the exact warp loop only),
-    ``staged_ld``, ``path_keys``, ``vis_smem``, ``staged_ids`` (the token ids copied into
-    shared memory under the selection) and ``smem_bytes`` (dynamic shared memory a CTA).
+    ``staged_ld``, ``path_keys``, ``vis_smem`` and ``smem_bytes`` (dynamic shared memory a CTA).
     For tests and tools: ``tree_build`` makes its own."""
     _check_sizes(("B", B, 0), ("L", L, 0), ("K", K, 0))
     if L > MAX_POSITIONS:
@@ -267,7 +266,7 @@ def tree_build_plan(B: int, L: int, K: int, d_max: int, *, visibility: bool = Tr
                "tree_build_plan")
     return {"kernel": "wide" if plan.wide else "two_cta", "node_buffer": plan.node_buffer,
             "staged_ld": plan.staged_ld, "path_keys": bool(plan.path_keys), "vis_smem": bool(plan.vis_smem),
-            "staged_ids": plan.ids_smem >= 0, "smem_bytes": plan.smem_bytes}
+            "smem_bytes": plan.smem_bytes}
 
 
 # The outputs in kd_build_trees' argument order.

@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 10
+#define KD_ABI_VERSION 9
 int kd_version(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
@@ -47,7 +47,6 @@ typedef struct kd_build_plan {
   int staged_ld;    // log-probs staged in shared memory with this row length (0: not staged)
   int path_keys;    // the warp loop's path keys in shared memory
   int vis_smem;     // visibility from bit rows in shared memory
-  int ids_smem;     // byte offset of the token ids staged in shared memory (-1: read from global)
   int smem_bytes;   // dynamic shared memory a CTA
 } kd_build_plan;
 int kd_build_plan_make(int B, int L, int K, int D, int visibility, kd_build_plan* plan);

@@ -18,12 +18,6 @@ __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, int 
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
   cp_async16_s(smem_addr(dst), src, src_bytes);
 }
-// A 4- or 8-byte async copy (cp.async.ca: the sizes below 16 bytes), generic pointers.
-template <int BYTES>
-__device__ __forceinline__ void cp_async_small(void* dst, const void* src) {
-  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(smem_addr(dst)), "l"(src), "n"(BYTES));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

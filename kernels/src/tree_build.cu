@@ -10,17 +10,11 @@
 // masks) are then written by the whole CTA in parallel.
 #include <vector>
 
-#include "mma.cuh"
 #include "tree_threshold.cuh"
 
 // 0 builds a plain launch (for same-run A/Bs against the programmatic one, kd_build_trees).
 #ifndef KD_BUILD_PDL
 #define KD_BUILD_PDL 1
-#endif
-// 0 reads the slots' token ids and the request's scalars from global memory at the end
-// (for same-run A/Bs against staging them in shared memory under the selection).
-#ifndef KD_BUILD_STAGE_IDS
-#define KD_BUILD_STAGE_IDS 1
 #endif
 
 namespace kd {
@@ -29,18 +23,6 @@ namespace {
 constexpr int BUILD_THREADS = 512;
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
 constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs (loop mode)
-constexpr size_t IDS_SMEM_MAX = 32 * 1024;  // staged token ids: L 15 x K 256
-constexpr bool STAGE_IDS = KD_BUILD_STAGE_IDS != 0;
-
-// The request's L x K token ids into shared memory by cp.async (16 bytes a copy where both
-// ends allow, else 8), committed by the caller: nothing waits on them until the slots.
-__device__ void stage_ids(int64_t* dst, const int64_t* src, int n, int tid, int nthreads) {
-  if ((((uintptr_t)src & 15) | (n & 1)) == 0) {
-    for (int i = tid; i < n >> 1; i += nthreads) cp_async16(dst + 2 * i, src + 2 * i, 16);
-  } else {
-    for (int i = tid; i < n; i += nthreads) cp_async_small<8>(dst + i, src + i);
-  }
-}
 
 // Bits b0..b3 of x as the bytes 0/1 of a word (little-endian: bit k -> byte k).
 __device__ __forceinline__ uint32_t spread4(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
@@ -123,14 +105,12 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
                    int64_t* __restrict__ positions, int64_t* __restrict__ next_token,
                    int64_t* __restrict__ next_sibling, uint8_t* __restrict__ visibility,
                    int32_t* __restrict__ visibility_bits, int32_t* __restrict__ status,
-                   int lp_ld, int use_keys, int ts_cap, int vis_smem, int ids_off) {
+                   int lp_ld, int use_keys, int ts_cap, int vis_smem) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ Entry s_overflow[MAX_SLOTS];
   __shared__ uint32_t s_nodes[MAX_SLOTS];
   __shared__ int16_t s_links[3][MAX_SLOTS];
   __shared__ int s_n;
-  __shared__ int64_t s_root;
-  __shared__ int32_t s_prefix;
   const int b = blockIdx.x, tid = threadIdx.x;
 #if KD_BUILD_PDL
   pdl_wait();  // a programmatic dependent: the kernel before may still be draining
@@ -150,21 +130,6 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 
   const float* lp = top_lp + (size_t)b * L * K;
   const int64_t* ids = top_ids + (size_t)b * L * K;
-  // The slots' token ids (where the plan found room: ids_off >= 0) and the request's root
-  // token and prefix length are copied into shared memory now, under the staging and the
-  // selection, so that the slot pass reads them there instead of paying an L2 round trip
-  // at the kernel's end. Waited for with the staging's loads.
-  const int64_t* tok_src = ids;
-  if (STAGE_IDS) {
-    if (ids_off >= 0) {
-      int64_t* s_ids = reinterpret_cast<int64_t*>(s_dyn + ids_off);
-      stage_ids(s_ids, ids, L * K, tid, blockDim.x);
-      tok_src = s_ids;
-    }
-    if (tid == 0 && root_tokens) cp_async_small<8>(&s_root, root_tokens + b);
-    if (tid == 32 && prefix_lens) cp_async_small<4>(&s_prefix, prefix_lens + b);
-    cp_async_commit();
-  }
   int flags = 0;
   int budget = budgets[b];
   if (budget > D - 1) { budget = D - 1; flags |= KD_STATUS_BUDGET_CLAMPED; }
@@ -205,7 +170,6 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     }
   }
   uncertified &= threshold;
-  if (STAGE_IDS) cp_async_wait<0>();  // the barrier below publishes the staged ids
   if (__syncthreads_or(bad)) { flags |= KD_STATUS_NAN_INPUT; budget = 0; }
   uncertified = __syncthreads_or(uncertified) || L > KEY_DEPTH;
   KD_PROF(1);
@@ -249,7 +213,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   }
 
   KD_PROF(5);
-  const int64_t prefix = !prefix_lens ? 0 : STAGE_IDS ? s_prefix : prefix_lens[b];
+  const int64_t prefix = prefix_lens ? prefix_lens[b] : 0;
 
   // Per-slot arrays; padding slots are unreachable leaves of the root. With vis_smem the
   // same pass builds the ancestor rows as bits in shared memory, over the selection's
@@ -268,8 +232,8 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     // The token's load is issued first and stored last: the ancestor walk (up to L
     // dependent shared loads) runs under its global round trip instead of after it.
     int64_t tok;
-    if (i == 0) tok = !root_tokens ? PAD_TOKEN : STAGE_IDS ? s_root : root_tokens[b];
-    else tok = live ? tok_src[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
+    if (i == 0) tok = root_tokens ? root_tokens[b] : PAD_TOKEN;
+    else tok = live ? ids[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
     if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
       uint32_t row = 0;
       for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
@@ -420,20 +384,8 @@ int make_plan(int B, int L, int K, int D, int visibility, kd_build_plan* plan, c
   const size_t vis_bytes = (size_t)D * kd::ceil_div(D, 32) * sizeof(uint32_t);
   const int vis_smem = visibility && vis_bytes <= room;
   if (vis_smem && vis_bytes > smem) smem = vis_bytes;
-  // The token ids staged after everything else, where they fit and leave the kernel's
-  // residency as it was (the two-CTA kernel still two an SM).
-  int ids_off = -1;
-  const size_t ids_bytes = (size_t)L * K * sizeof(int64_t);
-  const bool wide = wide_kernel(*f, B, smem);
-  if (kd::STAGE_IDS && ids_bytes > 0 && ids_bytes <= kd::IDS_SMEM_MAX) {
-    const size_t off = (smem + 15) & ~(size_t)15;
-    if (off + ids_bytes <= room && wide_kernel(*f, B, off + ids_bytes) == wide) {
-      ids_off = (int)off;
-      smem = off + ids_bytes;
-    }
-  }
-  *plan = kd_build_plan{B, L, K, D, visibility ? 1 : 0, wide ? 1 : 0, ts_cap, lp_ld,
-                        use_keys, vis_smem, ids_off, (int)smem};
+  *plan = kd_build_plan{B, L, K, D, visibility ? 1 : 0, wide_kernel(*f, B, smem) ? 1 : 0, ts_cap, lp_ld,
+                        use_keys, vis_smem, (int)smem};
   if (facts) *facts = f;
   return 0;
 }
@@ -472,7 +424,7 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D,
                                            node_counts, tokens, depths, parents, positions, next_token, next_sibling,
                                            visibility, visibility_bits, status, p.staged_ld, p.path_keys, p.node_buffer,
-                                           p.vis_smem, p.ids_smem);
+                                           p.vis_smem);
   if (e != cudaSuccess) return (int)e;
   KD_LAUNCH_CHECK();
   return 0;
