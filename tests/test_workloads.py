@@ -35,6 +35,15 @@ def test_confident_drafts_give_deep_narrow_trees():
         drafter_logits(1, 1, 10, seed=0, drafts="peaky")
 
 
+@pytest.mark.parametrize("drafts", ["mixed", "confident"])
+def test_a_one_token_vocabulary_is_certain(drafts):
+    """V = 1 (the GPU fuzzing campaign's find: the confident drafter gave NaN there): every
+    log-prob is 0 and the tree is the chain of that token."""
+    lp, ids = stage_a_inputs(3, 5, 1, 16, seed=4, drafts=drafts)
+    assert lp.shape == (3, 5, 1) and torch.equal(lp, torch.zeros_like(lp)) and not ids.any()
+    assert list(build_tree(lp[0].numpy(), ids[0].numpy(), 16).depths) == [1, 2, 3, 4, 5]
+
+
 def test_paged_case_layout():
     c = paged_case([0, 63, 64, 130], D=5, H=2, page_size=64, seed=4)
     assert c.seq_lens.tolist() == [5, 68, 69, 135]
