@@ -274,6 +274,27 @@ def test_tree_build_neg_inf_clamped_like_cpu(ops):
     assert NEG_INF_FLOOR == -1e4
 
 
+@pytest.mark.parametrize("d_max", [17, 33, 64, 65, 100, 128, 129, 257])
+def test_tree_build_bit_rows_without_the_dense_mask(ops, d_max):
+    """Without the dense mask (tree_build's default) rows of up to four words (D <= 128) are
+    made in registers and written from there, larger ones through shared memory: the CPU
+    build's bits either way, with ragged budgets (padding slots), shallow and deep trees."""
+    rng = np.random.default_rng(d_max)
+    B = 24
+    for drafts in ("mixed", "confident"):
+        budgets = rng.integers(0, d_max, B)
+        budgets[0] = d_max - 1
+        lp, ids = stage_a_inputs(B, 15, 8192, d_max - 1, seed=d_max, drafts=drafts)
+        want = build_trees(lp, ids, budgets, d_max=d_max)
+        out = ops.TreeBuildResult.empty(B, d_max, DEV)
+        out.visibility_bits.fill_(-7)
+        got = ops.tree_build(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV),
+                             d_max=d_max, out=out)
+        assert got.visibility is None
+        assert np.array_equal(got.visibility_bits.cpu().numpy(), want.visibility_bits), drafts
+        assert np.array_equal(got.parents.cpu().numpy(), want.parents), drafts
+
+
 def test_tree_build_zero_budget_and_padding(ops):
     lp, ids = stage_a_inputs(6, 15, 300, 40, seed=6)
     gpu_vs_cpu(ops, lp, ids, np.array([0, 1, 40, 0, 7, 39]), np.arange(6), np.arange(6), d_max=45)

@@ -16,6 +16,11 @@
 #ifndef KD_BUILD_PDL
 #define KD_BUILD_PDL 1
 #endif
+// Ancestor rows of up to this many words built in registers where only the bits are asked
+// for (1: only rows of one word, for same-run A/Bs).
+#ifndef KD_BUILD_REG_ROW_WORDS
+#define KD_BUILD_REG_ROW_WORDS 4
+#endif
 
 namespace kd {
 namespace {
@@ -23,6 +28,8 @@ namespace {
 constexpr int BUILD_THREADS = 512;
 constexpr int MAX_SLOTS = 1025;  // budget 1024 + root
 constexpr size_t LP_SMEM_MAX = 64 * 1024;  // staged log-probs (loop mode)
+constexpr int REG_ROW_WORDS = KD_BUILD_REG_ROW_WORDS;
+static_assert(REG_ROW_WORDS >= 1 && REG_ROW_WORDS <= 8, "rows of one to eight words in registers");
 
 // Bits b0..b3 of x as the bytes 0/1 of a word (little-endian: bit k -> byte k).
 __device__ __forceinline__ uint32_t spread4(uint32_t x) { return ((x & 0xfu) * 0x00204081u) & 0x01010101u; }
@@ -224,6 +231,11 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // (ncu, B 64 x 16: "no instruction" was 27% of the stall samples, most of them here).
   const size_t row0 = (size_t)b * D;
   const int W = ceil_div(D, 32);
+  // Rows of one word (D <= 32) go out from registers for both outputs; rows of up to
+  // REG_ROW_WORDS words too where only the bits are asked for (the dense bytes' 16-byte
+  // writer needs the rows in shared memory): no read-modify-write a step of the walk, no
+  // barrier, no second pass.
+  const bool reg_rows = W == 1 || (W <= REG_ROW_WORDS && !visibility);
   uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
   for (int i = tid; i < D; i += blockDim.x) {
     const bool live = i <= n;
@@ -234,13 +246,22 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     int64_t tok;
     if (i == 0) tok = root_tokens ? root_tokens[b] : PAD_TOKEN;
     else tok = live ? ids[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
-    if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
-      uint32_t row = 0;
-      for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
-      if (visibility_bits) visibility_bits[row0 + i] = (int32_t)row;
-      if (visibility) {
+    if (reg_rows) {
+      uint32_t r[REG_ROW_WORDS] = {};  // indexed by constants only: registers
+      for_each_ancestor(s_nodes, i, n, D, [&](int a) {
+        const uint32_t bit = 1u << (a & 31);
+#pragma unroll
+        for (int w = 0; w < REG_ROW_WORDS; ++w) r[w] |= (a >> 5) == w ? bit : 0u;
+      });
+      if (visibility_bits) {
+        int32_t* vb = visibility_bits + (row0 + i) * W;
+#pragma unroll
+        for (int w = 0; w < REG_ROW_WORDS; ++w)
+          if (w < W) vb[w] = (int32_t)r[w];
+      }
+      if (visibility) {  // W == 1 here
         uint8_t* out = visibility + (row0 + i) * D;
-        for (int j = 0; j < D; ++j) out[j] = (row >> j) & 1u;
+        for (int j = 0; j < D; ++j) out[j] = (r[0] >> j) & 1u;
       }
     } else if (vis_smem) {
       uint32_t* row = s_bits + (size_t)i * W;
@@ -257,8 +278,8 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) { node_counts[b] = n; status[b] = flags; }
   KD_PROF(6);
 
-  // Rows of one word (D <= 32) went out from registers above.
-  if (W > 1 && vis_smem) {
+  // Rows in registers went out above.
+  if (!reg_rows && vis_smem) {
     __syncthreads();
     KD_PROF(7);
     if (visibility_bits) {
@@ -266,7 +287,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int i = tid; i < D * W; i += blockDim.x) vb[i] = (int32_t)s_bits[i];
     }
     if (visibility) write_visibility_bytes(visibility + (size_t)b * D * D, s_bits, D, W, tid, blockDim.x);
-  } else if (W > 1) {
+  } else if (!reg_rows) {
     // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     for (int i = warp; i < D; i += nwarps) {
