@@ -231,11 +231,10 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // (ncu, B 64 x 16: "no instruction" was 27% of the stall samples, most of them here).
   const size_t row0 = (size_t)b * D;
   const int W = ceil_div(D, 32);
-  // Rows of one word (D <= 32) go out from registers for both outputs; rows of up to
-  // REG_ROW_WORDS words too where only the bits are asked for (the dense bytes' 16-byte
-  // writer needs the rows in shared memory): no read-modify-write a step of the walk, no
-  // barrier, no second pass.
-  const bool reg_rows = W == 1 || (W <= REG_ROW_WORDS && !visibility);
+  // Rows of 2 .. REG_ROW_WORDS words go out from registers too where only the bits are
+  // asked for (the dense bytes' 16-byte writer reads the rows in shared memory): no
+  // read-modify-write a step of the walk, no barrier, no second pass.
+  const bool reg_words = REG_ROW_WORDS > 1 && W > 1 && W <= REG_ROW_WORDS && !visibility;
   uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
   for (int i = tid; i < D; i += blockDim.x) {
     const bool live = i <= n;
@@ -246,7 +245,15 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     int64_t tok;
     if (i == 0) tok = root_tokens ? root_tokens[b] : PAD_TOKEN;
     else tok = live ? ids[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
-    if (reg_rows) {
+    if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
+      uint32_t row = 0;
+      for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
+      if (visibility_bits) visibility_bits[row0 + i] = (int32_t)row;
+      if (visibility) {
+        uint8_t* out = visibility + (row0 + i) * D;
+        for (int j = 0; j < D; ++j) out[j] = (row >> j) & 1u;
+      }
+    } else if (reg_words) {  // bits only, 2 .. REG_ROW_WORDS words
       uint32_t r[REG_ROW_WORDS] = {};  // indexed by constants only: registers
       for_each_ancestor(s_nodes, i, n, D, [&](int a) {
         const uint32_t bit = 1u << (a & 31);
@@ -258,10 +265,6 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
 #pragma unroll
         for (int w = 0; w < REG_ROW_WORDS; ++w)
           if (w < W) vb[w] = (int32_t)r[w];
-      }
-      if (visibility) {  // W == 1 here
-        uint8_t* out = visibility + (row0 + i) * D;
-        for (int j = 0; j < D; ++j) out[j] = (r[0] >> j) & 1u;
       }
     } else if (vis_smem) {
       uint32_t* row = s_bits + (size_t)i * W;
@@ -279,7 +282,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   KD_PROF(6);
 
   // Rows in registers went out above.
-  if (!reg_rows && vis_smem) {
+  if (W > 1 && !reg_words && vis_smem) {
     __syncthreads();
     KD_PROF(7);
     if (visibility_bits) {
@@ -287,7 +290,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int i = tid; i < D * W; i += blockDim.x) vb[i] = (int32_t)s_bits[i];
     }
     if (visibility) write_visibility_bytes(visibility + (size_t)b * D * D, s_bits, D, W, tid, blockDim.x);
-  } else if (!reg_rows) {
+  } else if (W > 1 && !reg_words) {
     // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     for (int i = warp; i < D; i += nwarps) {
