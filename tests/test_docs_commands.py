@@ -168,6 +168,29 @@ def test_profile_verify_medians_leave_out_the_first_tile():
     assert pv.tile_medians([0] * pv.SLOTS) == {}
 
 
+def test_fuzz_cases_stay_within_their_caps():
+    """scripts/fuzz_gpu.py's cases (drawn here, run on the GPU): JSON as written, the verify
+    cases within the float64 reference's memory caps, and a case that crashes recorded as a
+    failed line with its parameters, not raised."""
+    import json
+
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("fuzz_gpu", ROOT / "scripts" / "fuzz_gpu.py")
+    fz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fz)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        v = fz.verify_case(rng)
+        assert json.loads(json.dumps(v)) == v
+        assert v["D"] * v["H"] <= 16384 and v["D"] * v["H"] * (v["pmax"] + v["D"]) <= 200_000_000, v
+        assert v["B"] == 1 or v["B"] * (v["pmax"] + v["D"]) <= 400_000, v
+        b, a = fz.build_case(rng), fz.accept_case(rng)
+        assert json.loads(json.dumps(b)) == b and json.loads(json.dumps(a)) == a
+        assert 0 <= b["budget_max"] <= 1024 and b["budget_max"] + 1 + b["extra_slots"] <= 1025, b
+    r = fz.run_one("build", {"seed": 1})  # no shape: a KeyError inside the case
+    assert r["ok"] is False and r["why"].startswith("KeyError") and r["case"] == {"seed": 1}
+
+
 def test_ab_compare_reads_an_ab_folder(tmp_path):
     import pandas as pd
     for v, us in (("old", 10.0), ("new", 9.0)):
