@@ -27,7 +27,7 @@ import torch
 from kdtree import ops
 from kdtree.harness.workloads import follow_targets, paged_case, stage_a_inputs
 from kdtree.reference.attention import verify_attention_ref
-from kdtree.reference.tree import build_trees, greedy_accept_batch
+from kdtree.reference.tree import build_trees, greedy_accept_batch, pack_visibility
 
 DEV = "cuda"
 TREE_FIELDS = ("node_counts", "tokens", "depths", "parents", "positions", "next_token", "next_sibling",
@@ -76,9 +76,12 @@ def run_build(c: dict) -> str | None:
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=bmax + 1 + c["extra_slots"])
     out = ops.TreeBuildResult.empty(B, want.D, DEV, dense_visibility=c.get("dense", True))
     fields = [f for f in TREE_FIELDS if f != "visibility" or out.visibility is not None]
-    for name in fields + ["status"]:
+    for name in fields + ["status"]:  # poisoned: every output must be written
         t = getattr(out, name)
-        (t.view(torch.uint8) if t.dtype == torch.bool else t).fill_(0x5A if t.dtype == torch.bool else -7)
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(0x5A)
+        else:
+            t.fill_(-7)
     old = ops.lib().kd_build_set_smem_limit(c["smem_limit"])
     try:
         got = ops.tree_build(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV),
@@ -89,9 +92,10 @@ def run_build(c: dict) -> str | None:
         ops.lib().kd_build_set_smem_limit(old)
     for f in fields:
         g, w = getattr(got, f).cpu().numpy(), getattr(want, f)
-        if g.dtype != w.dtype or not np.array_equal(g, w):
-            bad = np.argwhere((g != w).reshape(B, -1).any(1)).ravel() if g.shape == w.shape else "shape"
-            return f"{f} differs (requests {bad[:8] if not isinstance(bad, str) else bad})"
+        if g.dtype != w.dtype or g.shape != w.shape:
+            return f"{f}: {g.dtype} {g.shape}, expected {w.dtype} {w.shape}"
+        if not np.array_equal(g, w):
+            return f"{f} differs in requests {np.argwhere((g != w).reshape(B, -1).any(1)).ravel()[:8].tolist()}"
     st = got.status.cpu().numpy()
     if (st & ~ops.STATUS_WARP_LOOP & ~ops.STATUS_BUDGET_CLAMPED).any():
         return f"status bits {sorted(set(st.tolist()))} on finite inputs"
@@ -127,7 +131,6 @@ def run_verify(c: dict) -> str | None:
     case = paged_case(prefixes, c["D"], c["H"], c["page"], seed=c["seed"], device=DEV, layout=c["layout"])
     vis = case.visibility
     if c["bits"]:
-        from kdtree.reference.tree import pack_visibility
         vis = torch.from_numpy(pack_visibility(vis.cpu().numpy())).to(DEV)
     B, D, H = c["B"], c["D"], c["H"]
     out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
