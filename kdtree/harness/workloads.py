@@ -52,11 +52,11 @@ def _coarse_rows(x: torch.Tensor, g: torch.Generator, coarse_fraction: float) ->
 def _confident_logits(B: int, L: int, V: int, g: torch.Generator, coarse_fraction: float) -> torch.Tensor:
     """Each position's top token at probability p ~ U(0.5, 0.95) over a random tail (a
     vocabulary of one token has no tail: that token is certain)."""
+    if V == 1:  # logsumexp of an empty tail is -inf, and -inf logits give NaN log-probs
+        return torch.zeros(B, L, 1, dtype=torch.bfloat16)
     x = torch.randn(B, L, V, generator=g) * 2.0
     p = 0.5 + 0.45 * torch.rand(B, L, 1, generator=g)
     top = torch.randint(0, V, (B, L, 1), generator=g)
-    if V == 1:  # logsumexp of an empty tail is -inf, and -inf logits give NaN log-probs
-        return _coarse_rows(torch.zeros_like(x), g, coarse_fraction)
     tail = x.scatter(-1, top, float("-inf")).logsumexp(-1, keepdim=True)
     x.scatter_(-1, top, tail + torch.log(p / (1 - p)))  # softmax gives the top token p
     return _coarse_rows(x, g, coarse_fraction)
