@@ -74,6 +74,7 @@ def run_build(c: dict) -> str | None:
     budgets = np.where(rng.random(B) < 0.5, rng.integers(0, bmax + 1, B), bmax) if c["ragged"] else np.full(B, bmax)
     seq, roots = rng.integers(0, 100_000, B), rng.integers(0, max(V, 1), B)
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=bmax + 1 + c["extra_slots"])
+    # The first campaign's lines have no "dense": those cases all asked for the dense mask.
     out = ops.TreeBuildResult.empty(B, want.D, DEV, dense_visibility=c.get("dense", True))
     fields = [f for f in TREE_FIELDS if f != "visibility" or out.visibility is not None]
     for name in fields + ["status"]:  # poisoned: every output must be written
