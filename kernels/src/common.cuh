@@ -114,4 +114,23 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 #endif
 }
 
+// The host side: launches `kernel`, as a programmatic dependent of the kernel before it on
+// `st` where `programmatic` (the launch attribute above), else as a plain launch. One place
+// for the attribute, so that the build and the verify combine launch alike.
+template <class... Params, class... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                          bool programmatic, Args... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = st;
+  cfg.attrs = attr;
+  cfg.numAttrs = programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
 }  // namespace kd

@@ -435,20 +435,10 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   // On 9.x the build is a programmatic dependent of the kernel before it (the drafter's
   // top-k in a decode step): its launch hides behind that kernel's tail, and its CTAs wait
   // in pdl_wait() before reading anything. It triggers no dependent of its own.
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(B);
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = (size_t)p.smem_bytes;
-  cfg.stream = (cudaStream_t)stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = f->pdl ? 1 : 0;
-  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, top_lp, top_ids, budgets, prefix_lens, root_tokens, L, K, D,
-                                           node_counts, tokens, depths, parents, positions, next_token, next_sibling,
-                                           visibility, visibility_bits, status, p.staged_ld, p.path_keys, p.node_buffer,
-                                           p.vis_smem);
+  const cudaError_t e = kd::launch_kernel(
+      kernel, dim3(B), dim3(threads), (size_t)p.smem_bytes, (cudaStream_t)stream, f->pdl, top_lp, top_ids, budgets,
+      prefix_lens, root_tokens, L, K, D, node_counts, tokens, depths, parents, positions, next_token, next_sibling,
+      visibility, visibility_bits, status, p.staged_ld, p.path_keys, p.node_buffer, p.vis_smem);
   if (e != cudaSuccess) return (int)e;
   KD_LAUNCH_CHECK();
   return 0;

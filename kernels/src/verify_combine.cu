@@ -166,15 +166,7 @@ combine_quarter_rows(const __nv_bfloat16* __restrict__ part_out, const float* __
 // more there would pile the combine's reads onto those few SMs.
 template <auto Kernel, class... Args>
 int launch(dim3 grid, int static_smem, cudaStream_t st, int how, const DeviceFacts& d, Args... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(32 * WARPS);
-  cfg.stream = st;
-  cfg.attrs = attr;
-  cfg.numAttrs = KD_PDL && how != COMBINE_PLAIN ? 1 : 0;
+  size_t smem = 0;
   if (KD_PDL && how == COMBINE_PROGRAMMATIC_HELD) {
     const long long ctas = (long long)grid.x * grid.y * grid.z;
     const int held = (int)((ctas + d.sms - 1) / d.sms);
@@ -183,11 +175,11 @@ int launch(dim3 grid, int static_smem, cudaStream_t st, int how, const DeviceFac
     // attribute is the bound for every held count (held 1's footprint), one value for all
     // launches, so that concurrent launches of other counts cannot lower it under this one.
     const int footprint = d.smem_sm / (held + 1) + 1;
-    cfg.dynamicSmemBytes = (size_t)max(0, footprint - static_smem - d.smem_reserved);
+    smem = (size_t)max(0, footprint - static_smem - d.smem_reserved);
     const cudaError_t e = configure_once<Kernel>(d.smem_sm / 2 + 1, (int)cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return (int)e;
   }
-  return (int)cudaLaunchKernelEx(&cfg, Kernel, args...);
+  return (int)launch_kernel(Kernel, grid, dim3(32 * WARPS), smem, st, KD_PDL && how != COMBINE_PLAIN, args...);
 }
 
 // The combine's grid: below ROW_SPLITS splits a warp per half row (WARPS a CTA), else a
