@@ -794,9 +794,6 @@ __device__ __forceinline__ int count_before(const Threshold& t, int q0, int q1, 
 // rank_count's m^2 compares up to this many candidates; above, bucket_rank's m x (mean bin)
 // cost less (docs/kernels/tree_build.md, session 52).
 constexpr int RANK_COUNT_MAX = 128;
-#ifndef KD_RANK_SCORE_FIRST
-#define KD_RANK_SCORE_FIRST 0  // A/B: rank_count by scores first, full keys only in warps with a tie
-#endif
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
 // zeroes), for m <= RANK_COUNT_MAX: the number of nodes better than it, counted against
@@ -816,23 +813,7 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
     const uint64_t u = score_key(t.score[me]);
     const uint64_t* k = t.keys + (size_t)me * KEY_WORDS;
     const uint64_t k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
-#if KD_RANK_SCORE_FIRST
-    // Scores alone order every pair whose scores differ: one 8-byte broadcast load and a
-    // 64-bit compare a pair. A warp where some lane meets its own score again (a tie, which
-    // the path key orders) counts again on the full keys.
-    int better = 0, ties = 0;
-#pragma unroll 4
-    for (int q = lo + 1; q < hi + 1; ++q) {
-      const uint64_t v = score_key(t.score[q]);
-      better += v < u;
-      ties += v == u;
-    }
-    ties -= me >= lo + 1 && me < hi + 1;  // its own score
-    if (__any_sync(0xffffffffu, ties > 0))
-      better = count_before(t, lo + 1, hi + 1, [](int j) { return j; }, short_keys, u, k0, k1, k2, k3);
-#else
     const int better = count_before(t, lo + 1, hi + 1, [](int j) { return j; }, short_keys, u, k0, k1, k2, k3);
-#endif
     if (e < m) atomicAdd(&t.pos[e], better);
   }
   KD_PROF(9);
