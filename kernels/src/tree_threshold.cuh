@@ -523,9 +523,6 @@ constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ran
 #ifndef KD_NARROW_LEAD_MAX
 #define KD_NARROW_LEAD_MAX 2
 #endif
-#ifndef KD_NARROW_FEW_GROUPED
-#define KD_NARROW_FEW_GROUPED 0  // A/B: levels of two to four parents in one grouped ballot step
-#endif
 constexpr int NARROW_LEAD_MAX = KD_NARROW_LEAD_MAX;  // parents of 16 children or more a grouped narrow level takes first (lead parents)
 
 // One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
@@ -594,27 +591,6 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     const double x0 = (double)row[lane];  // keff > 32: rank `lane` exists
     const double sv = lb + lane < le ? t.score[lb + lane] : 0.0;
     int total = 0;
-#if KD_NARROW_FEW_GROUPED
-    // Two to four parents whose children all lie in their first G ranks (G 4 or 8; 16 for two
-    // parents): one ballot step for the level, lanes (parent, rank) as the grouped path lays
-    // them out, instead of a step a parent. Three votes decide G, as there.
-    if (WIDE && le - lb >= 2) {
-      const int np = le - lb;
-      const bool pl = lane < np;
-      const unsigned r3 = __ballot_sync(FULL_MASK, pl && KD_DADD(sv, __shfl_sync(FULL_MASK, x0, 3)) >= tau);
-      const unsigned r7 = __ballot_sync(FULL_MASK, pl && KD_DADD(sv, __shfl_sync(FULL_MASK, x0, 7)) >= tau);
-      const unsigned r15 = __ballot_sync(FULL_MASK, pl && KD_DADD(sv, __shfl_sync(FULL_MASK, x0, 15)) >= tau);
-      const int lg = r3 == 0u ? 2 : r7 == 0u ? 3 : r15 == 0u && np <= 2 ? 4 : 0;
-      if (lg > 0) {
-        const int j = lane >> lg, r = lane & ((1 << lg) - 1);
-        const double sp = __shfl_sync(FULL_MASK, sv, j), x = __shfl_sync(FULL_MASK, x0, r);
-        const double sc = KD_DADD(sp, x);
-        ballot_children(t, d, j < np && sc >= tau, lb + j, r, sp, x, sc, le, room, total);
-        __syncwarp();
-        return total;
-      }
-    }
-#endif
     for (int p = lb; p < le; ++p)
       ballot_parent(t, row, keff, d, tau, p, __shfl_sync(FULL_MASK, sv, p - lb), x0, le, room, total);
     __syncwarp();
