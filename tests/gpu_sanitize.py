@@ -27,6 +27,9 @@ def main():
     ops.tree_build(lp4.cuda(), ids4.cuda(), torch.full((16,), 64, dtype=torch.int32, device="cuda"), d_max=65)
     # Batch 16 at budget 128: a 4x buffer of 512, sets of 129-512 candidates by bucket ranks.
     ops.tree_build(lp4.cuda(), ids4.cuda(), torch.full((16,), 128, dtype=torch.int32, device="cuda"), d_max=129)
+    # A confident drafter at budget 64: narrow levels of two to four parents in one grouped step.
+    lp5, ids5 = stage_a_inputs(16, 15, 8192, 64, seed=6, drafts="confident")
+    ops.tree_build(lp5.cuda(), ids5.cuda(), torch.full((16,), 64, dtype=torch.int32, device="cuda"), d_max=65)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, target, 15, next_token=trees.next_token, next_sibling=trees.next_sibling)  # a warp each
     # D 257: a CTA each; the target follows first children.

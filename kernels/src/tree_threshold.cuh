@@ -523,9 +523,6 @@ constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ran
 #ifndef KD_NARROW_LEAD_MAX
 #define KD_NARROW_LEAD_MAX 2
 #endif
-#ifndef KD_NARROW_FEW_GROUPED
-#define KD_NARROW_FEW_GROUPED 0  // A/B: levels of two to four parents in one grouped ballot step
-#endif
 constexpr int NARROW_LEAD_MAX = KD_NARROW_LEAD_MAX;  // parents of 16 children or more a grouped narrow level takes first (lead parents)
 
 // One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
@@ -594,10 +591,10 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
     const double x0 = (double)row[lane];  // keff > 32: rank `lane` exists
     const double sv = lb + lane < le ? t.score[lb + lane] : 0.0;
     int total = 0;
-#if KD_NARROW_FEW_GROUPED
     // Two to four parents whose children all lie in their first G ranks (G 4 or 8; 16 for two
     // parents): one ballot step for the level, lanes (parent, rank) as the grouped path lays
-    // them out, instead of a step a parent. Three votes decide G, as there.
+    // them out, instead of a step a parent (a confident drafter's chain-like levels). Three
+    // votes decide G, as there. The one-CTA kernel only: the two-CTA one was not measured.
     if (WIDE && le - lb >= 2) {
       const int np = le - lb;
       const bool pl = lane < np;
@@ -617,7 +614,6 @@ __device__ int materialise_narrow(const Threshold& t, const float* row, int keff
         return total;
       }
     }
-#endif
     for (int p = lb; p < le; ++p)
       ballot_parent(t, row, keff, d, tau, p, __shfl_sync(FULL_MASK, sv, p - lb), x0, le, room, total);
     __syncwarp();
@@ -1062,13 +1058,6 @@ KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
   return Pivots{count, rounds, squared, 1.0 / (count + 1)};
 }
 KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
-#ifndef KD_DEV_ONE_ROUND_BUDGET
-#define KD_DEV_ONE_ROUND_BUDGET 0  // study: the deviation bound in one squared round up to this budget
-#endif
-KD_HD Pivots dev_pivots(int budget) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= KD_DEV_ONE_ROUND_BUDGET ? make_pivots(START_PIVOTS, 1, true)
-                                                                            : even_pivots(budget);
-}
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
@@ -1215,7 +1204,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, dev_pivots(budget), 17, tid,
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, even_pivots(budget), 17, tid,
                                      [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     // dev_count over the lane's slots, steps outside: the slots' loads go out together.
@@ -1250,7 +1239,7 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   const int np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
-  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, dev_pivots(budget), [&](double x) {
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, even_pivots(budget), [&](double x) {
     int n = 0;
     for (int d = 1; d <= L; ++d) n += cs[d] >= x;
     for (int q = 0; q < np; ++q) {
