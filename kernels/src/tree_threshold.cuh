@@ -1058,6 +1058,19 @@ KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
   return Pivots{count, rounds, squared, 1.0 / (count + 1)};
 }
 KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
+#ifndef KD_DEV_ONE_ROUND_MAX_BATCH
+#define KD_DEV_ONE_ROUND_MAX_BATCH 0  // A/B: the deviation bound's one round up to this batch
+#endif
+// The one-deviation bound's pivots: at budgets 17-64 and batches up to
+// KD_DEV_ONE_ROUND_MAX_BATCH one round of squared pivots (one ~3.5k-cycle round less, up to
+// ~40% more candidates: a batch's time is its slowest request's, so larger batches pay the
+// candidates' tail), else as the other bounds.
+KD_HD Pivots dev_pivots(int budget, int batch) {
+  return KD_DEV_ONE_ROUND_MAX_BATCH > 0 && budget > START_ONE_ROUND_BUDGET && budget <= 64 &&
+                 batch <= KD_DEV_ONE_ROUND_MAX_BATCH
+             ? make_pivots(START_PIVOTS, 1, true)
+             : even_pivots(budget);
+}
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
@@ -1204,7 +1217,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, even_pivots(budget), 17, tid,
+  const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, dev_pivots(budget, (int)gridDim.x), 17, tid,
                                      [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     // dev_count over the lane's slots, steps outside: the slots' loads go out together.
@@ -1239,7 +1252,9 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   const int np = L * (L + 1) / 2;
   int top = 1;
   while (2 * top <= keff - 1) top <<= 1;
-  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, even_pivots(budget), [&](double x) {
+  // The host build stands for a batch of requests past every gate (its node buffer is the
+  // batched one too).
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, dev_pivots(budget, 1 << 30), [&](double x) {
     int n = 0;
     for (int d = 1; d <= L; ++d) n += cs[d] >= x;
     for (int q = 0; q < np; ++q) {
