@@ -1058,16 +1058,13 @@ KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
   return Pivots{count, rounds, squared, 1.0 / (count + 1)};
 }
 KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
-#ifndef KD_DEV_ONE_ROUND_MAX_BATCH
-#define KD_DEV_ONE_ROUND_MAX_BATCH 0  // A/B: the deviation bound's one round up to this batch
-#endif
-// The one-deviation bound's pivots: at budgets 17-64 and batches up to
-// KD_DEV_ONE_ROUND_MAX_BATCH one round of squared pivots (one ~3.5k-cycle round less, up to
-// ~40% more candidates: a batch's time is its slowest request's, so larger batches pay the
-// candidates' tail), else as the other bounds.
+// The one-deviation bound's pivots: at budgets 17-64 and batches up to DEV_ONE_ROUND_MAX_BATCH
+// one round of squared pivots (one ~3.5k-cycle round less, up to ~40% more candidates: a
+// batch's time is its slowest request's, so from batch 64 the candidates' tail costs more
+// than the round), else as the other bounds.
+constexpr int DEV_ONE_ROUND_MAX_BATCH = 16;
 KD_HD Pivots dev_pivots(int budget, int batch) {
-  return KD_DEV_ONE_ROUND_MAX_BATCH > 0 && budget > START_ONE_ROUND_BUDGET && budget <= 64 &&
-                 batch <= KD_DEV_ONE_ROUND_MAX_BATCH
+  return budget > START_ONE_ROUND_BUDGET && budget <= 64 && batch <= DEV_ONE_ROUND_MAX_BATCH
              ? make_pivots(START_PIVOTS, 1, true)
              : even_pivots(budget);
 }
