@@ -1058,13 +1058,16 @@ KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
   return Pivots{count, rounds, squared, 1.0 / (count + 1)};
 }
 KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
-// The one-deviation bound's pivots: at budgets 17-64 and batches up to DEV_ONE_ROUND_MAX_BATCH
-// one round of squared pivots (one ~3.5k-cycle round less, up to ~40% more candidates: a
-// batch's time is its slowest request's, so from batch 64 the candidates' tail costs more
-// than the round), else as the other bounds.
+// Past START_ONE_ROUND_BUDGET and up to this budget the chain bound, and the one-deviation
+// bound at small batches, take one round of squared pivots (dev_pivots, chain_pivots).
+constexpr int SQUARED_ROUND_BUDGET = 64;
+
+// The one-deviation bound's pivots: one squared round at batches up to DEV_ONE_ROUND_MAX_BATCH
+// (one ~3.5k-cycle round less, up to ~40% more candidates: a batch's time is its slowest
+// request's, so from batch 64 the candidates' tail costs more than the round).
 constexpr int DEV_ONE_ROUND_MAX_BATCH = 16;
 KD_HD Pivots dev_pivots(int budget, int batch) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= 64 && batch <= DEV_ONE_ROUND_MAX_BATCH
+  return budget > START_ONE_ROUND_BUDGET && budget <= SQUARED_ROUND_BUDGET && batch <= DEV_ONE_ROUND_MAX_BATCH
              ? make_pivots(START_PIVOTS, 1, true)
              : even_pivots(budget);
 }
@@ -1251,7 +1254,7 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   while (2 * top <= keff - 1) top <<= 1;
   // The host build stands for a batch of requests past every gate (its node buffer is the
   // batched one too).
-  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, dev_pivots(budget, 1 << 30), [&](double x) {
+  const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, dev_pivots(budget, DEV_ONE_ROUND_MAX_BATCH + 1), [&](double x) {
     int n = 0;
     for (int d = 1; d <= L; ++d) n += cs[d] >= x;
     for (int q = 0; q < np; ++q) {
@@ -1276,14 +1279,13 @@ KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, do
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there. Past START_ONE_ROUND_BUDGET
-// and up to CHAIN_ONE_ROUND_BUDGET one round of 32 squared pivots (a round costs its
-// latency, ~1.3k cycles at 16 or 32 pivots), the node buffer made 4x the budget for the
+// and up to SQUARED_ROUND_BUDGET one round of 32 squared pivots at any batch (a round costs
+// its latency, ~1.3k cycles at 16 or 32 pivots), the node buffer made 4x the budget for the
 // looser tau (see ts_capacity); elsewhere the even pivots (budget 16: one round of 16 was
 // 2-4% faster than 32 squared ones at batch 16-256).
-constexpr int CHAIN_ONE_ROUND_BUDGET = 64;
 KD_HD Pivots chain_pivots(int budget) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= CHAIN_ONE_ROUND_BUDGET ? make_pivots(32, 1, true)
-                                                                            : even_pivots(budget);
+  return budget > START_ONE_ROUND_BUDGET && budget <= SQUARED_ROUND_BUDGET ? make_pivots(32, 1, true)
+                                                                          : even_pivots(budget);
 }
 
 // Node buffer size for a budget: twice the next power of two (the sort pads to one), four
