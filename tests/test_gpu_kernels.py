@@ -296,6 +296,34 @@ def test_tree_build_bit_rows_without_the_dense_mask(ops, d_max):
                    dense=False)
 
 
+@pytest.mark.parametrize("d_max", [17, 100, 300])
+def test_tree_build_c_abi_without_row_outputs(ops, d_max):
+    """A C caller may pass neither row output (no dense mask, no bit rows): the kernel then
+    walks no rows, and every other output is still the CPU build's."""
+    rng = np.random.default_rng(1000 + d_max)
+    B = 12
+    budgets = rng.integers(0, d_max, B)
+    budgets[0] = d_max - 1
+    seq, roots = rng.integers(0, 100_000, B), rng.integers(0, 8192, B)
+    lp, ids = stage_a_inputs(B, 15, 8192, d_max - 1, seed=d_max, drafts="confident")
+    want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=d_max)
+    out = poisoned_trees(ops, B, d_max, dense=False)
+    t = {n: x.to(DEV) for n, x in (("lp", lp), ("ids", ids))}
+    bud = torch.as_tensor(budgets, dtype=torch.int32, device=DEV)
+    sq = torch.as_tensor(seq, dtype=torch.int32, device=DEV)
+    rt = torch.as_tensor(roots, dtype=torch.int64, device=DEV)
+    ptrs = [ops._ptr(getattr(out, f)) for f in FIELDS[:7]]
+    rc = ops.lib().kd_build_trees(ops._ptr(t["lp"]), ops._ptr(t["ids"]), ops._ptr(bud), ops._ptr(sq), ops._ptr(rt),
+                                  B, 15, d_max - 1, d_max, *ptrs, None, None, ops._ptr(out.status),
+                                  ops._stream(torch.device(DEV)))
+    assert rc == 0
+    torch.cuda.synchronize()
+    for f in FIELDS[:7]:
+        assert np.array_equal(getattr(out, f).cpu().numpy(), getattr(want, f)), f
+    assert (out.visibility_bits == -7).all()  # not passed: left as poisoned
+    assert ((out.status.cpu() & ~ops.STATUS_WARP_LOOP) == 0).all()
+
+
 def test_tree_build_zero_budget_and_padding(ops):
     lp, ids = stage_a_inputs(6, 15, 300, 40, seed=6)
     gpu_vs_cpu(ops, lp, ids, np.array([0, 1, 40, 0, 7, 39]), np.arange(6), np.arange(6), d_max=45)
