@@ -234,9 +234,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   // Rows of 2 .. REG_ROW_WORDS words go out from registers too where only the bits are
   // asked for (the dense bytes' 16-byte writer reads the rows in shared memory): no
   // read-modify-write a step of the walk, no barrier, no second pass.
-  const bool reg_words = REG_ROW_WORDS > 1 && W > 1 && W <= REG_ROW_WORDS && visibility_bits && !visibility;
-  // No ancestor walk where no output asks for the rows (a C caller may pass neither).
-  const bool rows = visibility || visibility_bits;
+  const bool reg_words = REG_ROW_WORDS > 1 && W > 1 && W <= REG_ROW_WORDS && !visibility;
   uint32_t* s_bits = reinterpret_cast<uint32_t*>(s_dyn);
   for (int i = tid; i < D; i += blockDim.x) {
     const bool live = i <= n;
@@ -247,7 +245,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
     int64_t tok;
     if (i == 0) tok = root_tokens ? root_tokens[b] : PAD_TOKEN;
     else tok = live ? ids[(size_t)(depth - 1) * K + node_rank(node)] : PAD_TOKEN;
-    if (W == 1 && rows) {  // D <= 32: a row is one word; both outputs straight from a register
+    if (W == 1) {  // D <= 32: a row is one word; both outputs straight from a register
       uint32_t row = 0;
       for_each_ancestor(s_nodes, i, n, D, [&](int a) { row |= 1u << a; });
       if (visibility_bits) visibility_bits[row0 + i] = (int32_t)row;
@@ -292,7 +290,7 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
       for (int i = tid; i < D * W; i += blockDim.x) vb[i] = (int32_t)s_bits[i];
     }
     if (visibility) write_visibility_bytes(visibility + (size_t)b * D * D, s_bits, D, W, tid, blockDim.x);
-  } else if (W > 1 && !reg_words && rows) {
+  } else if (W > 1 && !reg_words) {
     // Visibility rows: one warp per row; lane w owns words w and w + 32 (D <= 1025 -> W <= 33).
     const int lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
     for (int i = warp; i < D; i += nwarps) {
