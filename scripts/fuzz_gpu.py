@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kdtree import ops
-from kdtree.harness.workloads import follow_targets, paged_case, stage_a_inputs
+from kdtree.harness.workloads import follow_targets, paged_case, poisoned_accept, poisoned_trees, stage_a_inputs
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.reference.tree import build_trees, greedy_accept_batch, pack_visibility
 
@@ -75,14 +75,8 @@ def run_build(c: dict) -> str | None:
     seq, roots = rng.integers(0, 100_000, B), rng.integers(0, max(V, 1), B)
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=bmax + 1 + c["extra_slots"])
     # The first campaign's lines have no "dense": those cases all asked for the dense mask.
-    out = ops.TreeBuildResult.empty(B, want.D, DEV, dense_visibility=c.get("dense", True))
+    out = poisoned_trees(B, want.D, DEV, dense=c.get("dense", True))  # every output must be written
     fields = [f for f in TREE_FIELDS if f != "visibility" or out.visibility is not None]
-    for name in fields + ["status"]:  # poisoned: every output must be written
-        t = getattr(out, name)
-        if t.dtype == torch.bool:
-            t.view(torch.uint8).fill_(0x5A)
-        else:
-            t.fill_(-7)
     old = ops.lib().kd_build_set_smem_limit(c["smem_limit"])
     try:
         got = ops.tree_build(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV),
@@ -171,9 +165,7 @@ def run_accept(c: dict) -> str | None:
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(DEV)
     for form, kw in (("links", {"next_token": t(tb.next_token), "next_sibling": t(tb.next_sibling)}),
                      ("parents", {"parents": t(tb.parents), "node_counts": t(tb.node_counts)})):
-        out = (torch.full((B, md + 1), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
-               torch.full((B,), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
-               torch.full((B,), 0x5A5A5A5A, dtype=torch.int64, device=DEV))
+        out = poisoned_accept(B, md, DEV)
         got = ops.tree_accept(t(tb.tokens), t(target), md, out=out, **kw)
         for name, g, w in zip(("accept_index", "accept_len", "bonus"), got, want):
             if not np.array_equal(g.cpu().numpy(), w):

@@ -13,7 +13,8 @@ from kdtree.reference.attention import verify_attention_ref
 from kdtree.checks import NEG_INF_FLOOR, InputError
 from kdtree.reference.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
 from kdtree.harness.timing import capture_graph
-from kdtree.harness.workloads import follow_targets, paged_case, stage_a_inputs
+from kdtree.harness.workloads import (TREE_POISON, follow_targets, paged_case, poisoned_accept, poisoned_trees,
+                                      stage_a_inputs)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -29,25 +30,12 @@ def ops():
     return _ops
 
 
-def poisoned_trees(ops, B, D, dense=True):
-    out = ops.TreeBuildResult.empty(B, D, DEV, dense_visibility=dense)
-    for name in FIELDS + ("status",):
-        t = getattr(out, name)
-        if t is None:  # the dense mask, not asked for
-            continue
-        if t.dtype == torch.bool:
-            t.view(torch.uint8).fill_(0x5A)
-        else:
-            t.fill_(-7)
-    return out
-
-
 def gpu_vs_cpu(ops, lp, ids, budgets, seq, roots, d_max=None, dense=True):
     """Every output of the GPU build (poisoned before) against the CPU build; dense=False
     leaves the dense mask out (the bit rows then come from the kernel's own paths)."""
     B = lp.shape[0]
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=d_max)
-    out = poisoned_trees(ops, B, want.D, dense)
+    out = poisoned_trees(B, want.D, DEV, dense)
     got = ops.tree_build(lp.to(DEV), ids.to(DEV), torch.as_tensor(budgets, dtype=torch.int32, device=DEV), seq_lens=torch.as_tensor(seq, dtype=torch.int32, device=DEV), root_tokens=torch.as_tensor(roots, dtype=torch.int64, device=DEV), d_max=want.D, out=out)
     assert (got.visibility is None) == (not dense)
     for f in FIELDS:
@@ -307,7 +295,7 @@ def test_tree_build_c_abi_without_row_outputs(ops, d_max):
     seq, roots = rng.integers(0, 100_000, B), rng.integers(0, 8192, B)
     lp, ids = stage_a_inputs(B, 15, 8192, d_max - 1, seed=d_max, drafts="confident")
     want = build_trees(lp, ids, budgets, seq_lens=seq, root_tokens=roots, d_max=d_max)
-    out = poisoned_trees(ops, B, d_max, dense=False)
+    out = poisoned_trees(B, d_max, DEV, dense=False)
     t = {n: x.to(DEV) for n, x in (("lp", lp), ("ids", ids))}
     bud = torch.as_tensor(budgets, dtype=torch.int32, device=DEV)
     sq = torch.as_tensor(seq, dtype=torch.int32, device=DEV)
@@ -320,7 +308,7 @@ def test_tree_build_c_abi_without_row_outputs(ops, d_max):
     torch.cuda.synchronize()
     for f in FIELDS[:7]:
         assert np.array_equal(getattr(out, f).cpu().numpy(), getattr(want, f)), f
-    assert (out.visibility_bits == -7).all()  # not passed: left as poisoned
+    assert (out.visibility_bits == TREE_POISON).all()  # not passed: left as poisoned
     assert ((out.status.cpu() & ~ops.STATUS_WARP_LOOP) == 0).all()
 
 
@@ -365,7 +353,7 @@ def test_tree_build_reused_outputs_are_checked_again_when_changed(ops):
     args = (lp.to(DEV), ids.to(DEV), torch.full((B,), budget, dtype=torch.int32, device=DEV))
     kw = dict(seq_lens=torch.as_tensor(seq, dtype=torch.int32, device=DEV),
               root_tokens=torch.as_tensor(roots, dtype=torch.int64, device=DEV))
-    out = poisoned_trees(ops, B, want.D)
+    out = poisoned_trees(B, want.D, DEV)
 
     def build_and_compare():
         for f in FIELDS:
@@ -649,9 +637,7 @@ def accept_parents_poisoned(ops, cand, par, counts, target, max_depth):
     """The parents kernel into outputs filled with garbage first."""
     t = lambda a: torch.as_tensor(np.ascontiguousarray(a)).to(DEV)
     B = cand.shape[0]
-    out = (torch.full((B, max_depth + 1), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
-           torch.full((B,), 0x5A5A5A5A, dtype=torch.int32, device=DEV),
-           torch.full((B,), 0x5A5A5A5A, dtype=torch.int64, device=DEV))
+    out = poisoned_accept(B, max_depth, DEV)
     got = ops.tree_accept(t(cand), t(target), max_depth, parents=t(par), node_counts=t(counts), out=out)
     assert all(g is o for g, o in zip(got, out))
     return [g.cpu().numpy() for g in got]

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from kdtree.harness.workloads import drafter_logits, page_order, paged_case, stage_a_inputs
+from kdtree.harness.workloads import (ACCEPT_POISON, MASK_POISON_BYTE, TREE_POISON, drafter_logits, page_order,
+                                      paged_case, poisoned_accept, poisoned_trees, stage_a_inputs)
 from kdtree.reference.tree import build_tree
 
 
@@ -90,3 +91,28 @@ def test_timed_calls_read_every_cache_copy_equally():
         seen = [take() for _ in range(calls)]
         assert seen[:n] == list(range(n))
         assert all(seen.count(i) == calls // n for i in range(n))
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_poisoned_trees_poison_every_output(dense):
+    """Each output of the build's `out=` holds the poison, none a value a build writes (slots
+    and depths are >= 0, parents >= -1, a mask byte 0 or 1), so an unwritten one shows."""
+    out = poisoned_trees(3, 40, "cpu", dense)
+    tensors = {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
+    assert (out.visibility is None) == (not dense)
+    assert len(tensors) == (10 if dense else 9)
+    for name, t in tensors.items():
+        if t.dtype == torch.bool:
+            assert (t.view(torch.uint8) == MASK_POISON_BYTE).all(), name
+        else:
+            assert (t == TREE_POISON).all(), name
+    assert TREE_POISON < -1 and MASK_POISON_BYTE not in (0, 1)
+
+
+def test_poisoned_accept_shapes_and_poison():
+    idx, n, bonus = poisoned_accept(4, 15, "cpu")
+    assert idx.shape == (4, 16) and idx.dtype == torch.int32
+    assert n.shape == (4,) and n.dtype == torch.int32 and bonus.dtype == torch.int64
+    for t in (idx, n, bonus):
+        assert (t == ACCEPT_POISON).all()
+    assert ACCEPT_POISON > 1025  # past any slot index or accepted length (D <= 1025)

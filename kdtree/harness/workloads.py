@@ -9,6 +9,8 @@
   runs of consecutive pages (SGLang's page-size-1 allocator hands a prefill one run),
   and every unused page and row poisoned with NaN so that an over-read shows in the
   output.
+* Outputs for the kernels' `out=` filled with values no kernel writes (`poisoned_trees`,
+  `poisoned_accept`), so that an output left unwritten shows in a comparison.
 """
 from __future__ import annotations
 
@@ -170,3 +172,34 @@ def follow_targets(trees, V: int, follow: float, rng: np.random.Generator) -> np
             if c != -1 and rng.random() < follow:
                 target[b, i] = trees.tokens[b, c]
     return target
+
+
+# Output poisons: an int the build never writes, bytes that are no bool, and a word past
+# every slot index, length and token the accept kernels write.
+TREE_POISON = -7
+MASK_POISON_BYTE = 0x5A
+ACCEPT_POISON = 0x5A5A5A5A
+
+
+def poisoned_trees(B: int, D: int, device, dense: bool = True):
+    """A ``TreeBuildResult`` for ``tree_build(out=...)`` with every output poisoned: the
+    integer ones `TREE_POISON`, the dense mask's bytes `MASK_POISON_BYTE` (its None where
+    ``dense`` is False)."""
+    from ..ops import TreeBuildResult  # the library is loaded only at a kernel's call
+    out = TreeBuildResult.empty(B, D, device, dense_visibility=dense)
+    for t in vars(out).values():
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.dtype == torch.bool:
+            t.view(torch.uint8).fill_(MASK_POISON_BYTE)
+        else:
+            t.fill_(TREE_POISON)
+    return out
+
+
+def poisoned_accept(B: int, max_depth: int, device) -> tuple:
+    """``(accept_index i32 [B, max_depth + 1], accept_len i32 [B], bonus i64 [B])`` for
+    ``tree_accept(out=...)``, every element `ACCEPT_POISON`."""
+    return (torch.full((B, max_depth + 1), ACCEPT_POISON, dtype=torch.int32, device=device),
+            torch.full((B,), ACCEPT_POISON, dtype=torch.int32, device=device),
+            torch.full((B,), ACCEPT_POISON, dtype=torch.int64, device=device))
