@@ -286,8 +286,8 @@ def test_tree_build_bit_rows_without_the_dense_mask(ops, d_max):
 
 @pytest.mark.parametrize("d_max", [17, 100, 300])
 def test_tree_build_c_abi_without_row_outputs(ops, d_max):
-    """A C caller may pass neither row output (no dense mask, no bit rows): the kernel then
-    walks no rows, and every other output is still the CPU build's."""
+    """A C caller may pass neither row output (no dense mask, no bit rows): every other
+    output is still the CPU build's, and no row is written anywhere."""
     rng = np.random.default_rng(1000 + d_max)
     B = 12
     budgets = rng.integers(0, d_max, B)
