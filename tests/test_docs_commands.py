@@ -95,6 +95,12 @@ COVERED = {
                                                    "docs/kernels/verify_attention.md)"),
     "scripts/profile_verify.py --layout runs --latency": ("gpu", "a profile build of b644684 on the H200, page sizes 1 "
                                                                  "and 64 (session 56, docs/kernels/verify_attention.md)"),
+    "python3 scripts/offline_peers.py peers --python 3.12": (
+        "none", "needs PyPI: run by hand in session 64 (59 MB, the 71 SGLang files of the reference set); its "
+                "import resolution: test_offline_peers_resolves_an_import_and_fetches_what_is_missing"),
+    "scripts/offline_peers.py": ("none", "the entry above"),
+    "pip install --no-index --no-deps --target /tmp/site peers/wheels/*.whl": (
+        "gpu", "how the reference set's runs install the carried wheels on the H200 (ab/run140.sh)"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),
@@ -342,3 +348,31 @@ def test_ptx_same_tells_moved_lines_from_changed_code(tmp_path):
     assert r.returncode == 2 and "BASE must be a commit or a folder" in r.stderr
     r = run(str(base), "--sources", "no_such.cu")
     assert r.returncode == 2 and "--sources" in r.stderr
+
+
+def test_offline_peers_resolves_an_import_and_fetches_what_is_missing(tmp_path):
+    """scripts/offline_peers.py's import resolution on a package made here: the files under
+    the package's root that the import loads, and each missing module fetched once."""
+    spec = importlib.util.spec_from_file_location("offline_peers", ROOT / "scripts" / "offline_peers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    root, scratch = tmp_path / "root", tmp_path / "scratch"
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "__init__.py").write_text("from . import a\n")
+    (root / "pkg" / "a.py").write_text("import kd_fake_dep\nfrom .sub import b\n")
+    (root / "pkg" / "sub" / "__init__.py").write_text("")
+    (root / "pkg" / "sub" / "b.py").write_text("X = 1\n")
+    (root / "pkg" / "unused.py").write_text("raise SystemExit('never imported')\n")
+    fetched = []
+
+    def fetch(dist, where):
+        fetched.append(dist)
+        where.mkdir(exist_ok=True)
+        (where / "kd_fake_dep.py").write_text("Y = 2\n")
+
+    got = mod.resolve("pkg.sub.b", root, scratch, fetch)
+    assert fetched == ["kd_fake_dep"]
+    assert got["files"] == ["pkg/__init__.py", "pkg/a.py", "pkg/sub/__init__.py", "pkg/sub/b.py"]
+    with pytest.raises(RuntimeError, match="still missing"):
+        mod.resolve("pkg", root, tmp_path / "empty", lambda dist, where: None, tries=2)
+    assert mod.skip("Nvidia_cublas") and mod.skip("torch") and not mod.skip("pydantic")
