@@ -85,9 +85,14 @@ def resolve(module: str, root: pathlib.Path, scratch: pathlib.Path, fetch, tries
     raise RuntimeError(f"{module}: still missing modules after {tries} fetches")
 
 
+def norm(dist: str) -> str:
+    """A distribution's name as compared here (wheel files write - as _)."""
+    return dist.lower().replace("_", "-")
+
+
 def skip(dist: str) -> bool:
     """Whether the node's own install provides `dist` (never shadowed by a carried wheel)."""
-    d = dist.lower().replace("_", "-")
+    d = norm(dist)
     return d in NODE_HAS or d.startswith("nvidia-")
 
 
@@ -106,7 +111,7 @@ def main() -> int:
     ap.add_argument("--node-has", nargs="*", default=[], metavar="DIST",
                     help="distributions the node already has (their wheels are left out)")
     a = ap.parse_args()
-    NODE_HAS.update(d.lower().replace("_", "-") for d in a.node_has)
+    NODE_HAS.update(map(norm, a.node_has))
     if a.out.exists():
         ap.error(f"out: {a.out} exists; name a new folder")
     target = ["--only-binary=:all:", "--python-version", a.python, "--implementation", "cp",
@@ -126,7 +131,7 @@ def main() -> int:
             dst = stage / "sglang" / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(tmp / "sglw" / rel, dst)
-        needs = sorted(d for d in got["needs"] if not skip(d) and d.lower() != "sglang")
+        needs = sorted(d for d in got["needs"] if not skip(d) and norm(d) != "sglang")
         # Snakemake 9 asks for connection_pool, which PyPI has as a source archive only.
         pip("download", "--no-deps", "--no-binary=:all:", "-d", str(tmp / "src"), "connection_pool>=0.0.3")
         pip("wheel", "--no-deps", "-w", str(wheels), *map(str, (tmp / "src").iterdir()))
