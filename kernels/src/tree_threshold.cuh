@@ -1539,6 +1539,102 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
   return (double)c >= tau;
 }
 
+#ifndef KD_ONE_DEV_LAYOUT
+#define KD_ONE_DEV_LAYOUT 1  // A/B builds: 0 never; 2 wherever node 0^DEEP_CHAIN reaches the final tau
+#endif
+constexpr int ONE_DEV_COUNTS = 64;  // scratch ints: the chain nodes' child counts (past block_exclusive_scan's)
+
+// Where the pattern of index p (the chain's child counts cnt[0 .. L), deviations of chain
+// node 0^a first, ranks ascending) deviates: *a and rank *r >= 1; returns the buffer index
+// of 0^a's first child (the root is 0, then each chain node's children in order).
+KD_HD int one_dev_pattern(const int* cnt, int p, int* a, int* r) {
+  int g = 1, k = 0;
+  for (;; ++k) {
+    const int dev = cnt[k] > 1 ? cnt[k] - 1 : 0;
+    if (p < dev) break;
+    p -= dev;
+    g += cnt[k];
+  }
+  *a = k;
+  *r = p + 1;
+  return g;
+}
+
+// S(tau) of a deep tree laid out at once, where no node of it lies two deviations off the
+// first-child chain: every node is 0^d or 0^a r 0^b (r >= 1), so the chain's child counts
+// and one walk down each deviation's first-child line give all of it, instead of one step
+// a level (a confident drafter's fifteen narrow levels, ~1k cycles each). Layout: the root,
+// then the children of each chain node 0^0 .. 0^(L-1) (ranks ascending; 0^(a+1) first), then
+// each deviation's line below it, contiguous: siblings adjacent, ranks ascending, as the
+// level layout lays them. Checked, not assumed: every node on a deviation's line with a
+// rank-1 child >= tau (a second deviation) makes it decline. Returns the node count with the
+// root, or -1 where it declines (nothing written; the levels run instead): a second
+// deviation, or more nodes than the buffer holds.
+KD_HD int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
+  double* cs = reinterpret_cast<double*>(t.items);  // chain(0 .. L), over the sort items (free here)
+  int* cnt = t.scratch + ONE_DEV_COUNTS;            // cnt[a]: the children of 0^a scoring >= tau
+#ifdef __CUDA_ARCH__
+  if (tid <= L) {
+    const double c = chain_sums(t, L, tid);
+    cs[tid] = c;
+    if (tid < L) cnt[tid] = c >= tau ? count_children(t.lp + tid * t.ld, keff, c, tau) : 0;
+  }
+  __syncthreads();
+#else
+  chain_sums_host(t, L, cs);
+  for (int a = 0; a < L; ++a) cnt[a] = cs[a] >= tau ? count_children(t.lp + a * t.ld, keff, cs[a], tau) : 0;
+#endif
+  int chain_kids = 0, patterns = 0;
+  for (int a = 0; a < L; ++a) {
+    chain_kids += cnt[a];
+    patterns += cnt[a] > 1 ? cnt[a] - 1 : 0;
+  }
+  if (1 + chain_kids > t.cap) return -1;
+  // Each deviation's line: how far its first children reach tau (into t.pos), and whether a
+  // node on it has a second deviation in S(tau).
+  bool two = false;
+  for (int p = tid; p < patterns; p += nthreads) {
+    int a, r;
+    one_dev_pattern(cnt, p, &a, &r);
+    double s = KD_DADD(cs[a], (double)t.lp[a * t.ld + r]);
+    int below = 0;
+    for (int j = a + 1; j < L; ++j) {  // the line's node at depth j; its children in row j
+      const float* row = t.lp + j * t.ld;
+      two |= keff > 1 && KD_DADD(s, (double)row[1]) >= tau;
+      const double next = KD_DADD(s, (double)row[0]);
+      if (!(next >= tau)) break;
+      s = next;
+      ++below;
+    }
+    t.pos[p] = below;
+  }
+  if (block_any(two)) return -1;
+  const int lines = block_exclusive_scan(t.pos, patterns, t.scratch, tid, nthreads);
+  const int total = 1 + chain_kids + lines;
+  if (total > t.cap) return -1;
+  if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
+  for (int a = tid; a < L; a += nthreads) {  // chain node 0^(a+1), first of 0^a's children
+    int g = 1;
+    for (int k = 0; k < a; ++k) g += cnt[k];
+    if (cnt[a] > 0) store_child(t, a, a == 0 ? 0 : g - cnt[a - 1], 0, g, cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
+  }
+  for (int p = tid; p < patterns; p += nthreads) {
+    int a, r;
+    const int g = one_dev_pattern(cnt, p, &a, &r);
+    const double x = (double)t.lp[a * t.ld + r];
+    double s = KD_DADD(cs[a], x);
+    store_child(t, a, a == 0 ? 0 : g - cnt[a - 1], r, g + r, cs[a], x, s);
+    const int at = 1 + chain_kids + t.pos[p], end = 1 + chain_kids + (p + 1 < patterns ? t.pos[p + 1] : lines);
+    for (int i = at, parent = g + r, j = a + 1; i < end; parent = i, ++i, ++j) {
+      const double x0 = (double)t.lp[j * t.ld], next = KD_DADD(s, x0);
+      store_child(t, j, parent, 0, i, s, x0, next);
+      s = next;
+    }
+  }
+  KD_BARRIER();  // the nodes before their keys (written over the rows)
+  return total;
+}
+
 // The batch gate's answer for a request's start bound (tree_build.cu): none, only for a deep
 // tree (a batch where one request's raise sets the batch's time), or always.
 enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
@@ -1591,7 +1687,10 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   bool guess = false, tie = false;
   int lb, le, raises = 0;
   clear_level_counters(t, tid);
-  for (;;) {
+  // A deep tree one deviation wide is laid out at once; any other tree level by level.
+  const bool one_dev = KD_ONE_DEV_LAYOUT == 2 ? L >= DEEP_CHAIN && deep_chain(t, tau) : KD_ONE_DEV_LAYOUT == 1 && deep;
+  le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
+  for (const bool laid = le > 0; !laid;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
     lb = 0;
     le = 1;
