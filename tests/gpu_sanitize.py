@@ -27,9 +27,11 @@ def main():
     ops.tree_build(lp4.cuda(), ids4.cuda(), torch.full((16,), 64, dtype=torch.int32, device="cuda"), d_max=65)
     # Batch 16 at budget 128: a 4x buffer of 512, sets of 129-512 candidates by bucket ranks.
     ops.tree_build(lp4.cuda(), ids4.cuda(), torch.full((16,), 128, dtype=torch.int32, device="cuda"), d_max=129)
-    # A confident drafter at budget 64: narrow levels of two to four parents in one grouped step.
+    # A confident drafter at budgets 64 and 16: deep trees one deviation wide, laid out at once.
     lp5, ids5 = stage_a_inputs(16, 15, 8192, 64, seed=6, drafts="confident")
     ops.tree_build(lp5.cuda(), ids5.cuda(), torch.full((16,), 64, dtype=torch.int32, device="cuda"), d_max=65)
+    lp6, ids6 = lp5[:2, :, :16].contiguous(), ids5[:2, :, :16].contiguous()
+    ops.tree_build(lp6.cuda(), ids6.cuda(), torch.full((2,), 16, dtype=torch.int32, device="cuda"), d_max=17)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, target, 15, next_token=trees.next_token, next_sibling=trees.next_sibling)  # a warp each
     # D 257: a CTA each; the target follows first children.

@@ -1529,7 +1529,10 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
 #endif
 constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
 constexpr int DEEP_KEFF_MIN = 32;  // narrower rows: the chain bound leaves no raise to save
-constexpr int DEEP_KEFF_MAX = 64;  // the widest rows whose deep trees skip the chain bound
+#ifndef KD_DEEP_KEFF_MAX
+#define KD_DEEP_KEFF_MAX 64  // A/B builds: other widths
+#endif
+constexpr int DEEP_KEFF_MAX = KD_DEEP_KEFF_MAX;  // the widest rows whose deep trees skip the chain bound
 
 // Whether node 0^DEEP_CHAIN (L >= DEEP_CHAIN) scores about tau or above: a float sum, as it
 // only picks a bound and sits on every request's path (the heap's double sums cost more).
@@ -1540,7 +1543,7 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
 }
 
 #ifndef KD_ONE_DEV_LAYOUT
-#define KD_ONE_DEV_LAYOUT 1  // A/B builds: 0 never; 2 wherever node 0^DEEP_CHAIN reaches the final tau
+#define KD_ONE_DEV_LAYOUT 1  // A/B builds: 0 never
 #endif
 constexpr int ONE_DEV_COUNTS = 64;  // scratch ints: the chain nodes' child counts (past block_exclusive_scan's)
 
@@ -1687,8 +1690,12 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   bool guess = false, tie = false;
   int lb, le, raises = 0;
   clear_level_counters(t, tid);
-  // A deep tree one deviation wide is laid out at once; any other tree level by level.
-  const bool one_dev = KD_ONE_DEV_LAYOUT == 2 ? L >= DEEP_CHAIN && deep_chain(t, tau) : KD_ONE_DEV_LAYOUT == 1 && deep;
+  // A deep tree one deviation wide is laid out at once, any other tree level by level. Deep:
+  // the gate's, or rows up to DEEP_KEFF_MAX wide whose 0^DEEP_CHAIN reaches the final tau
+  // (budget 16's deep trees, left to the chain bound). One-CTA kernel only: under the
+  // two-CTA kernel's 64 registers the layout's code spilled, and every batch-256 build paid.
+  const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE &&
+                       (deep || (keff <= DEEP_KEFF_MAX && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   for (const bool laid = le > 0; !laid;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
