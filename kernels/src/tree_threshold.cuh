@@ -1530,7 +1530,7 @@ KD_HD int select_ties(const Threshold& t, int L, int keff, double tie_tau, int l
 constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
 constexpr int DEEP_KEFF_MIN = 32;  // narrower rows: the chain bound leaves no raise to save
 #ifndef KD_DEEP_KEFF_MAX
-#define KD_DEEP_KEFF_MAX 64  // A/B builds: other widths
+#define KD_DEEP_KEFF_MAX 256  // A/B builds: other widths (64 before the one-deviation layout)
 #endif
 constexpr int DEEP_KEFF_MAX = KD_DEEP_KEFF_MAX;  // the widest rows whose deep trees skip the chain bound
 
@@ -1545,97 +1545,170 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
 #ifndef KD_ONE_DEV_LAYOUT
 #define KD_ONE_DEV_LAYOUT 1  // A/B builds: 0 never
 #endif
-constexpr int ONE_DEV_COUNTS = 64;  // scratch ints: the chain nodes' child counts (past block_exclusive_scan's)
-
-// Where the pattern of index p (the chain's child counts cnt[0 .. L), deviations of chain
-// node 0^a first, ranks ascending) deviates: *a and rank *r >= 1; returns the buffer index
-// of 0^a's first child (the root is 0, then each chain node's children in order).
-KD_HD int one_dev_pattern(const int* cnt, int p, int* a, int* r) {
-  int g = 1, k = 0;
-  for (;; ++k) {
-    const int dev = cnt[k] > 1 ? cnt[k] - 1 : 0;
-    if (p < dev) break;
-    p -= dev;
-    g += cnt[k];
-  }
-  *a = k;
-  *r = p + 1;
-  return g;
-}
+constexpr int ONE_DEV_SCRATCH = 64;  // scratch ints past block_exclusive_scan's and the pivot counts
 
 // S(tau) of a deep tree laid out at once, where no node of it lies two deviations off the
 // first-child chain: every node is 0^d or 0^a r 0^b (r >= 1), so the chain's child counts
 // and one walk down each deviation's first-child line give all of it, instead of one step
-// a level (a confident drafter's fifteen narrow levels, ~1k cycles each). Layout: the root,
-// then the children of each chain node 0^0 .. 0^(L-1) (ranks ascending; 0^(a+1) first), then
-// each deviation's line below it, contiguous: siblings adjacent, ranks ascending, as the
-// level layout lays them. Checked, not assumed: every node on a deviation's line with a
-// rank-1 child >= tau (a second deviation) makes it decline. Returns the node count with the
-// root, or -1 where it declines (nothing written; the levels run instead): a second
-// deviation, or more nodes than the buffer holds.
-KD_HD int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
-  double* cs = reinterpret_cast<double*>(t.items);  // chain(0 .. L), over the sort items (free here)
-  int* cnt = t.scratch + ONE_DEV_COUNTS;            // cnt[a]: the children of 0^a scoring >= tau
+// a level (a confident drafter's fifteen narrow levels). Layout: the root, then the
+// children of each chain node 0^0 .. 0^(L-1) (ranks ascending; 0^(a+1) first), then each
+// deviation's line below it, contiguous: siblings adjacent, ranks ascending, parents first,
+// as the level layout lays them. Checked, not assumed: a rank-1 child >= tau of any node on
+// a line (a second deviation) makes it decline. Returns the node count with the root, or
+// -1 where it declines (nothing written; the levels run instead): a second deviation, or
+// more nodes than the buffer holds.
 #ifdef __CUDA_ARCH__
-  if (tid <= L) {
-    const double c = chain_sums(t, L, tid);
-    cs[tid] = c;
-    if (tid < L) cnt[tid] = c >= tau ? count_children(t.lp + tid * t.ld, keff, c, tau) : 0;
+// Device: warp 0 counts the chain's children; then warp a walks the lines of 0^a's
+// deviations, a lane each, over the rows' first two log-probs staged as doubles.
+__device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
+  if (nthreads < 32 * L) return -1;  // a warp a depth
+  const int lane = tid & 31, a = tid >> 5;
+  int* cnt = t.scratch + ONE_DEV_SCRATCH;  // [L] children of 0^a scoring >= tau
+  int* first = cnt + KEY_DEPTH;            // [L] buffer index of 0^a's first child
+  int* lines = first + KEY_DEPTH;          // [L] nodes below 0^a's deviations
+  int* kids = lines + KEY_DEPTH;           // the chain nodes' children, all
+  double* cs = reinterpret_cast<double*>(t.items);  // chain(0 .. L), over the sort items (free here)
+  double* x0 = cs + KEY_DEPTH + 1;                  // [L] each row's rank-0 log-prob
+  double* x1 = x0 + KEY_DEPTH;                      // [L] its rank-1 one (-inf for rows of one)
+  if (tid < 32) {
+    const double c = chain_sums(t, L, min(lane, L));
+    const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
+    const int incl = warp_inclusive_scan(n, lane);
+    if (lane <= L) cs[lane] = c;
+    if (lane < L) {
+      cnt[lane] = n;
+      first[lane] = 1 + incl - n;
+      x0[lane] = (double)t.lp[lane * t.ld];
+      x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
+    }
+    if (lane == 31) *kids = incl;
   }
   __syncthreads();
-#else
-  chain_sums_host(t, L, cs);
-  for (int a = 0; a < L; ++a) cnt[a] = cs[a] >= tau ? count_children(t.lp + a * t.ld, keff, cs[a], tau) : 0;
+  const int chain_kids = *kids;
+  if (1 + chain_kids > t.cap) return -1;
+  const int n = a < L ? cnt[a] : 0;  // warp-uniform
+  const double ca = a < L ? cs[a] : 0.0;
+  // Lane r - 1 of warp a walks the line of 0^a r (32 deviations a pass): how many of its
+  // first children reach tau, and whether a node on it has a rank-1 child that does.
+  auto walk = [&](int r, auto&& visit) {
+    const double x = (double)t.lp[a * t.ld + r];
+    double sc = KD_DADD(ca, x);
+    visit(-1, ca, x, sc);
+    bool on = true, two = false;
+    int below = 0;
+#pragma unroll
+    for (int j = 1; j < KEY_DEPTH; ++j) {
+      if (!on || j <= a || j >= L) continue;
+      const double y0 = x0[j], y1 = x1[j], next = KD_DADD(sc, y0);
+      two |= KD_DADD(sc, y1) >= tau;
+      on = next >= tau;
+      if (on) {
+        visit(below, sc, y0, next);
+        sc = next;
+        ++below;
+      }
+    }
+    return two ? -1 : below;
+  };
+  bool two = false;
+  int mine = 0, below_first = 0;  // this lane's line length in the first pass (most trees hold one)
+  for (int r0 = 1; r0 < n; r0 += 32) {
+    const int r = r0 + lane;
+    const int below = r < n ? walk(r, [](int, double, double, double) {}) : 0;
+    if (r0 == 1) below_first = below;
+    two |= below < 0;
+    int c = below > 0 ? below : 0;
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(FULL_MASK, c, o);
+    mine += c;
+  }
+  if (lane == 0 && a < L) lines[a] = mine;
+  if (__syncthreads_or(two)) return -1;
+  const int ln = lane < L ? lines[lane] : 0;
+  const int incl = warp_inclusive_scan(ln, lane);
+  const int total = 1 + chain_kids + __shfl_sync(FULL_MASK, incl, 31);
+  if (total > t.cap) return -1;
+  int at = 1 + chain_kids + __shfl_sync(FULL_MASK, incl - ln, a & 31);  // warp a's first line node
+  if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
+  if (tid < L && cnt[tid] > 0)  // chain node 0^(tid + 1), 0^tid's first child
+    store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
+  for (int r0 = 1; r0 < n; r0 += 32) {
+    const int r = r0 + lane;
+    const int below = r0 == 1 ? below_first : r < n ? walk(r, [](int, double, double, double) {}) : 0;
+    const int end = warp_inclusive_scan(below, lane);
+    int i = at + end - below, parent = first[a] + r;
+    if (r < n)
+      walk(r, [&](int k, double sp, double x, double sc) {
+        if (k < 0) { store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc); return; }
+        store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
+        parent = i++;
+      });
+    at += __shfl_sync(FULL_MASK, end, 31);
+  }
+  __syncthreads();  // the nodes before their keys (written over the rows)
+  return total;
+}
 #endif
-  int chain_kids = 0, patterns = 0;
+
+// Host twin: the same layout, one thread; each line walked twice (counted, then written).
+inline int one_deviation_layout_host(const Threshold& t, int L, int keff, double tau) {
+  double cs[KEY_DEPTH + 1];
+  int cnt[KEY_DEPTH], first[KEY_DEPTH];
+  chain_sums_host(t, L, cs);
+  int chain_kids = 0;
   for (int a = 0; a < L; ++a) {
+    cnt[a] = cs[a] >= tau ? count_children(t.lp + a * t.ld, keff, cs[a], tau) : 0;
+    first[a] = 1 + chain_kids;
     chain_kids += cnt[a];
-    patterns += cnt[a] > 1 ? cnt[a] - 1 : 0;
   }
   if (1 + chain_kids > t.cap) return -1;
-  // Each deviation's line: how far its first children reach tau (into t.pos), and whether a
-  // node on it has a second deviation in S(tau).
-  bool two = false;
-  for (int p = tid; p < patterns; p += nthreads) {
-    int a, r;
-    one_dev_pattern(cnt, p, &a, &r);
-    double s = KD_DADD(cs[a], (double)t.lp[a * t.ld + r]);
+  // The line of 0^a r: its nodes below the deviation, or -1 where one has a second deviation.
+  auto walk = [&](int a, int r, auto&& visit) {
+    double sc = KD_DADD(cs[a], (double)t.lp[a * t.ld + r]);
     int below = 0;
-    for (int j = a + 1; j < L; ++j) {  // the line's node at depth j; its children in row j
-      const float* row = t.lp + j * t.ld;
-      two |= keff > 1 && KD_DADD(s, (double)row[1]) >= tau;
-      const double next = KD_DADD(s, (double)row[0]);
+    for (int j = a + 1; j < L; ++j) {
+      if (keff > 1 && KD_DADD(sc, (double)t.lp[j * t.ld + 1]) >= tau) return -1;
+      const double x0 = (double)t.lp[j * t.ld], next = KD_DADD(sc, x0);
       if (!(next >= tau)) break;
-      s = next;
+      visit(below, sc, x0, next);
+      sc = next;
       ++below;
     }
-    t.pos[p] = below;
-  }
-  if (block_any(two)) return -1;
-  const int lines = block_exclusive_scan(t.pos, patterns, t.scratch, tid, nthreads);
+    return below;
+  };
+  int lines = 0;
+  for (int a = 0; a < L; ++a)
+    for (int r = 1; r < cnt[a]; ++r) {
+      const int below = walk(a, r, [](int, double, double, double) {});
+      if (below < 0) return -1;
+      lines += below;
+    }
   const int total = 1 + chain_kids + lines;
   if (total > t.cap) return -1;
-  if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
-  for (int a = tid; a < L; a += nthreads) {  // chain node 0^(a+1), first of 0^a's children
-    int g = 1;
-    for (int k = 0; k < a; ++k) g += cnt[k];
-    if (cnt[a] > 0) store_child(t, a, a == 0 ? 0 : g - cnt[a - 1], 0, g, cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
-  }
-  for (int p = tid; p < patterns; p += nthreads) {
-    int a, r;
-    const int g = one_dev_pattern(cnt, p, &a, &r);
-    const double x = (double)t.lp[a * t.ld + r];
-    double s = KD_DADD(cs[a], x);
-    store_child(t, a, a == 0 ? 0 : g - cnt[a - 1], r, g + r, cs[a], x, s);
-    const int at = 1 + chain_kids + t.pos[p], end = 1 + chain_kids + (p + 1 < patterns ? t.pos[p + 1] : lines);
-    for (int i = at, parent = g + r, j = a + 1; i < end; parent = i, ++i, ++j) {
-      const double x0 = (double)t.lp[j * t.ld], next = KD_DADD(s, x0);
-      store_child(t, j, parent, 0, i, s, x0, next);
-      s = next;
+  t.score[0] = 0.0;
+  t.meta[0] = ts_meta(0, 0, 0, false);
+  for (int a = 0, at = 1 + chain_kids; a < L; ++a) {
+    const int up = a == 0 ? 0 : first[a - 1];
+    if (cnt[a] > 0) store_child(t, a, up, 0, first[a], cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
+    for (int r = 1; r < cnt[a]; ++r) {
+      const double x = (double)t.lp[a * t.ld + r];
+      store_child(t, a, up, r, first[a] + r, cs[a], x, KD_DADD(cs[a], x));
+      int parent = first[a] + r;
+      walk(a, r, [&](int k, double sp, double x0, double sc) {
+        store_child(t, a + 1 + k, parent, 0, at, sp, x0, sc);
+        parent = at++;
+      });
     }
   }
-  KD_BARRIER();  // the nodes before their keys (written over the rows)
   return total;
+}
+
+KD_HD int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
+#ifdef __CUDA_ARCH__
+  return one_deviation_layout_device(t, L, keff, tau, tid, nthreads);
+#else
+  (void)tid; (void)nthreads;
+  return one_deviation_layout_host(t, L, keff, tau);
+#endif
 }
 
 // The batch gate's answer for a request's start bound (tree_build.cu): none, only for a deep
@@ -1670,8 +1743,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // A confident drafter's deep tree (node 0^DEEP_CHAIN above tau): its top nodes lie past a
   // deviation (0^a r 0^b), which the chain bound misses, so its levels overflow; it takes
   // the one-deviation bound, also where no start bound would run, for rows of DEEP_KEFF_MIN
-  // ranks or more, and not where the chain bound runs over rows wider than DEEP_KEFF_MAX:
-  // outside those the deviation bound costs more than the raises it saves. Narrower rows
+  // ranks or more, and not where the chain bound runs over rows wider than DEEP_KEFF_MAX
+  // (past it the deviation bound cost more than the raises it saved; 64 until the
+  // one-deviation layout made deep trees' levels cheap at budgets 128-256). Narrower rows
   // take the chain bound where the gate says START_DEEP (no raise left on the sweep's
   // shapes; the deviation bound cost more there).
   const bool chain_start = start == START_ALWAYS;
@@ -1691,11 +1765,12 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   int lb, le, raises = 0;
   clear_level_counters(t, tid);
   // A deep tree one deviation wide is laid out at once, any other tree level by level. Deep:
-  // the gate's, or rows up to DEEP_KEFF_MAX wide whose 0^DEEP_CHAIN reaches the final tau
-  // (budget 16's deep trees, left to the chain bound). One-CTA kernel only: under the
-  // two-CTA kernel's 64 registers the layout's code spilled, and every batch-256 build paid.
+  // the gate's, or rows narrower than DEEP_KEFF_MIN whose 0^DEEP_CHAIN reaches the final tau
+  // (budget 16's deep trees, which the gate leaves to the chain bound; asked once more only
+  // where the gate did not ask). One-CTA kernel only: under the two-CTA kernel's 64
+  // registers the layout's code spilled, and every batch-256 build paid.
   const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE &&
-                       (deep || (keff <= DEEP_KEFF_MAX && L >= DEEP_CHAIN && deep_chain(t, tau)));
+                       (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   for (const bool laid = le > 0; !laid;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
