@@ -345,6 +345,25 @@ def test_threshold_selection_with_top_k_below_the_budget(lib, linear_raise, budg
     assert len(raises) >= 15 and np.median(raises) <= 1, raises
 
 
+@pytest.mark.parametrize("budget", [16, 40, 64, 128, 256])
+@pytest.mark.parametrize("second", ["none", "near", "tied"])
+def test_threshold_selection_one_deviation_layout(lib, linear_raise, budget, second):
+    """Deep trees laid out at once where no node lies two deviations off the first-child
+    chain (the one-CTA kernel's program, linear_raise 1), and the layout declining where
+    some do: rank 1 a hair below rank 0 (near) or equal to it (tied) at a few depths makes
+    nodes of two deviations the best. The heap's trees either way."""
+    lp, ids = stage_a_inputs(8, 15, 8192, budget, seed=budget + len(second), drafts="confident")
+    rng = np.random.default_rng(budget)
+    for b in range(8):
+        row = lp[b].numpy().copy()
+        if second != "none":
+            for d in rng.choice(15, 3, replace=False):
+                row[d, 1] = row[d, 0] if second == "tied" else np.nextafter(row[d, 0], np.float32(-np.inf))
+                row[d, 2:] = np.minimum(row[d, 2:], row[d, 1])
+        n, _ = assert_threshold_equals_heap(lib, row, ids[b].numpy(), budget, linear_raise)
+        assert n == budget, b
+
+
 @pytest.mark.parametrize("budget,K", [(64, 64), (256, 256), (1024, 256)])
 def test_threshold_selection_on_deep_trees(lib, linear_raise, budget, K):
     """A confident drafter's trees run 15 levels deep, one to four nodes on the deep levels

@@ -1768,8 +1768,10 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // the gate's, or rows narrower than DEEP_KEFF_MIN whose 0^DEEP_CHAIN reaches the final tau
   // (budget 16's deep trees, which the gate leaves to the chain bound; asked once more only
   // where the gate did not ask). One-CTA kernel only: under the two-CTA kernel's 64
-  // registers the layout's code spilled, and every batch-256 build paid.
-  const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE &&
+  // registers the layout's code spilled, and every batch-256 build paid. Not where the top-k
+  // is shorter than the budget (budget 1024 over K 256): there it declined, for both
+  // drafters, after walking lines of up to K deviations (1.03-1.22x the time).
+  const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE && keff == budget &&
                        (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   for (const bool laid = le > 0; !laid;) {
