@@ -36,7 +36,7 @@ SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow"
 
 def host_stats(twin, lp, budget, linear_raise):
     """(raises, candidates) of the host twin for one request; raises < 0: refused."""
-    n, _, (raises, candidates) = select(twin, lp, budget, linear_raise)
+    n, _, (raises, candidates, _) = select(twin, lp, budget, linear_raise)
     return (raises if n >= 0 else n), candidates
 
 

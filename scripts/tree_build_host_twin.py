@@ -32,14 +32,15 @@ def load(path):
 
 def select(f, lp, budget, linear_raise=False):
     """One request's selection: (n, [parents, ranks, depths, next_token, next_sibling],
-    (raises, candidates)); n < 0 where the twin refused (the kernel then runs the warp loop).
-    linear_raise: raise tau as the one-CTA-an-SM kernel does."""
+    (raises, candidates, laid)); n < 0 where the twin refused (the kernel then runs the warp
+    loop). linear_raise: the one-CTA-an-SM kernel's program (its raise, and the one-deviation
+    layout, which `laid` says ran)."""
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     outs = [np.zeros(budget + 1, np.int32) for _ in range(5)]
-    stats = np.zeros(2, np.int32)
+    stats = np.zeros(3, np.int32)
     n = f(lp.ctypes.data, lp.shape[0], lp.shape[1], budget, *(o.ctypes.data for o in outs), stats.ctypes.data,
           int(linear_raise))
-    return n, outs, (int(stats[0]), int(stats[1]))
+    return n, outs, (int(stats[0]), int(stats[1]), int(stats[2]))
 
 
 def compare(paths, drafts=DRAFTS, batches=(16, 64, 256), budgets=(64, 128, 256, 1024), max_topk=256, L=15,
@@ -62,6 +63,7 @@ def compare(paths, drafts=DRAFTS, batches=(16, 64, 256), budgets=(64, 128, 256, 
                         library=i, drafts=d, batch=B, budget=budget,
                         raising=int((ok & (raises > 0)).sum()), raises=int(raises[ok].sum()),
                         max_raises=int(raises[ok].max(initial=0)), refused=int((~ok).sum()),
+                        laid=sum(r[2][2] for r, good in zip(run, ok) if good),
                         max_candidates=max(r[2][1] for r in run),
                         differ=sum(r[2][0] != q[2][0] for r, q in zip(run, runs[0])),
                         same_trees=all(r[0] == q[0] and all(np.array_equal(a, b) for a, b in zip(r[1], q[1]))
@@ -78,13 +80,15 @@ def main():
     a.add_argument("--max-topk", type=int, default=256)
     a.add_argument("--vocab", type=int, default=8192)
     a.add_argument("--linear-raise", action="store_true",
-                   help="raise tau as the one-CTA-an-SM kernel does (ops.tree_build_plan's 'wide')")
+                   help="the one-CTA-an-SM kernel's program (ops.tree_build_plan's 'wide'): its raise and "
+                        "the one-deviation layout")
     args = a.parse_args()
     rows = compare(args.libraries, args.drafts, args.batches, args.budgets, args.max_topk, vocab=args.vocab,
                    linear_raise=args.linear_raise)
     for r in rows:
         print(f"lib {r['library']} {r['drafts']:9s} B {r['batch']:3d} budget {r['budget']:4d}: "
               f"{r['raising']} raising, {r['raises']} raises (max {r['max_raises']}), {r['refused']} refused, "
+              f"{r['laid']} laid out at once, "
               f"candidates max {r['max_candidates']}; against lib 0: {r['differ']} differ, "
               f"{'same trees' if r['same_trees'] else 'TREES DIFFER'}")
 

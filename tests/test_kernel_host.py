@@ -54,7 +54,7 @@ def threshold_select(lib, lp, budget, linear_raise=0):
     lp = np.ascontiguousarray(lp, dtype=np.float32)
     L, K = lp.shape
     out = [np.full(max(budget, 0) + 1, -9, np.int32) for _ in range(5)]
-    stats = np.full(2, -1, np.int32)
+    stats = np.full(3, -1, np.int32)
     n = lib.kd_select_threshold_host(lp.ctypes.data, L, K, budget, *(a.ctypes.data for a in out),
                                      stats.ctypes.data, linear_raise)
     if n < 0:
@@ -354,14 +354,22 @@ def test_threshold_selection_one_deviation_layout(lib, linear_raise, budget, sec
     nodes of two deviations the best. The heap's trees either way."""
     lp, ids = stage_a_inputs(8, 15, 8192, budget, seed=budget + len(second), drafts="confident")
     rng = np.random.default_rng(budget)
+    laid = 0
     for b in range(8):
         row = lp[b].numpy().copy()
         if second != "none":
             for d in rng.choice(15, 3, replace=False):
                 row[d, 1] = row[d, 0] if second == "tied" else np.nextafter(row[d, 0], np.float32(-np.inf))
                 row[d, 2:] = np.minimum(row[d, 2:], row[d, 1])
-        n, _ = assert_threshold_equals_heap(lib, row, ids[b].numpy(), budget, linear_raise)
+        n, stats = assert_threshold_equals_heap(lib, row, ids[b].numpy(), budget, linear_raise)
         assert n == budget, b
+        laid += int(stats[2])
+    if not linear_raise:
+        assert laid == 0   # the two-CTA kernel's program levels every tree
+    elif second == "none":
+        assert laid >= 6, laid   # laid out at once (a request past the buffer may still decline)
+    else:
+        assert laid <= 4, laid   # nodes two deviations off the chain: most decline
 
 
 @pytest.mark.parametrize("budget,K", [(64, 64), (256, 256), (1024, 256)])
@@ -501,12 +509,13 @@ def test_host_twin_script_compares_libraries(lib_path):
     lines = r.stdout.splitlines()
     assert len(lines) == 2 * 2 * 2, lines   # drafters x budgets x libraries
     pat = re.compile(r"lib (\d) (\w+) +B +16 budget +(\d+): (\d+) raising, (\d+) raises \(max (\d+)\), (\d+) refused, "
-                     r"candidates max (\d+); against lib 0: (\d+) differ, (same trees|TREES DIFFER)")
+                     r"(\d+) laid out at once, candidates max (\d+); against lib 0: (\d+) differ, (same trees|TREES DIFFER)")
     rows = [pat.fullmatch(x) for x in lines]
     assert all(rows), lines
     for base, other in zip(rows[0::2], rows[1::2]):
         assert (base[1], other[1]) == ("0", "1")
-        assert base.groups()[1:8] == other.groups()[1:8]   # the same counts, point by point
-        assert other[9] == "0" and other[10] == "same trees"
-        budget, raising, raises, refused, cand = int(base[3]), int(base[4]), int(base[5]), int(base[7]), int(base[8])
+        assert base.groups()[1:9] == other.groups()[1:9]   # the same counts, point by point
+        assert other[10] == "0" and other[11] == "same trees"
+        budget, raising, raises, refused, cand = int(base[3]), int(base[4]), int(base[5]), int(base[7]), int(base[9])
         assert refused == 0 and raises >= raising and cand >= budget
+        assert base[8] == "0"   # the two-CTA kernel's program (no --linear-raise) never lays out at once

@@ -497,8 +497,9 @@ extern "C" int kd_select_nodes_host(const float* top_lp, int L, int K, int budge
 // pops (parents, ranks, depths [n + 1]) and links (next_token, next_sibling [n + 1]).
 // Returns n, -1 where the selection refused (the kernel then runs the warp loop), -2
 // where the certificate does not hold (unsorted rows, L > 16) or an argument is bad.
-// stats (may be null): {tau raises, candidates sorted}. linear_raise: 1 as the one-CTA-an-SM
-// kernel raises tau (batches up to the SM count), 0 as the two-CTA one.
+// stats (may be null): {tau raises, candidates sorted, 1 where laid out one deviation wide}.
+// linear_raise: 1 runs the one-CTA-an-SM kernel's program (batches up to the SM count: tau
+// raised by linear bins first, deep trees laid out at once), 0 the two-CTA one's.
 extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int budget,
                                         int32_t* parents, int32_t* ranks, int32_t* depths,
                                         int32_t* next_tok, int32_t* next_sib, int32_t* stats,
@@ -520,10 +521,10 @@ extern "C" int kd_select_threshold_host(const float* top_lp, int L, int K, int b
   std::vector<uint32_t> nodes(D, kd::pack_node(0, 0, 0));
   std::vector<int16_t> links(3 * (size_t)D, -1);
   const kd::Selection sel{nullptr, nodes.data(), nullptr, links.data(), links.data() + D, links.data() + 2 * D};
-  int st[2] = {0, 0};
+  int st[3] = {0, 0, 0};
   const int n = linear_raise ? kd::threshold_select<true>(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS)
                              : kd::threshold_select<false>(t, L, K, budget, sel, 0, 1, st, kd::START_ALWAYS);
-  if (stats) { stats[0] = st[0]; stats[1] = st[1]; }
+  if (stats) { stats[0] = st[0]; stats[1] = st[1]; stats[2] = st[2]; }
   if (n < 0) return n;
   parents[0] = -1; ranks[0] = 0; depths[0] = 0;
   for (int i = 0; i <= n; ++i) {

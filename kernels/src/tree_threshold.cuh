@@ -1719,7 +1719,7 @@ enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
 // raise the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to
 // out.nodes[1..n] and the links next_token/next_sibling (which must hold -1); returns n,
 // or -1 where the certificate fails (the caller then runs select_nodes). stats (may be
-// null) gets {raises, candidates sorted}.
+// null) gets {raises, candidates sorted, 1 where one_deviation_layout laid the tree out}.
 // WIDE: the one-CTA-an-SM kernel's program, whose registers hold more: a raise picks by
 // linear bins first (raise_tau_linear; else by the radix), and a narrow level takes its few
 // lead parents first (materialise_narrow). The host twin's argument picks the raise.
@@ -1774,6 +1774,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE && keff == budget &&
                        (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
+  if (stats && tid == 0) stats[2] = le > 0;
   for (const bool laid = le > 0; !laid;) {
     if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
     lb = 0;
