@@ -1722,7 +1722,7 @@ enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
 // null) gets {raises, candidates sorted, 1 where one_deviation_layout laid the tree out}.
 // WIDE: the one-CTA-an-SM kernel's program, whose registers hold more: a raise picks by
 // linear bins first (raise_tau_linear; else by the radix), and a narrow level takes its few
-// lead parents first (materialise_narrow). The host twin's argument picks the raise.
+// lead parents first (materialise_narrow). The host twin's argument picks the program.
 template <bool WIDE>
 KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const Selection& out,
                            int tid, int nthreads, int* stats, int start) {
