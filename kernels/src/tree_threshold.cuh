@@ -444,6 +444,12 @@ KD_HD void store_child(const Threshold& t, int d, int p, int r, int at, double s
   t.meta[at] = ts_meta(p, r, d + 1, !exact_sum(sp, x, sc));
 }
 
+// The root, node 0 of every enumeration: score 0, no parent.
+KD_HD void store_root(const Threshold& t) {
+  t.score[0] = 0.0;
+  t.meta[0] = ts_meta(0, 0, 0, false);
+}
+
 KD_HD void write_child(const Threshold& t, const float* row, int d, int p, int r, int at) {
   const double sp = t.score[p], x = (double)row[r];
   store_child(t, d, p, r, at, sp, x, KD_DADD(sp, x));
@@ -1628,7 +1634,7 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   const int total = 1 + chain_kids + __shfl_sync(FULL_MASK, incl, 31);
   if (total > t.cap) return -1;
   int at = 1 + chain_kids + __shfl_sync(FULL_MASK, incl - ln, a & 31);  // warp a's first line node
-  if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
+  if (tid == 0) store_root(t);
   if (tid < L && cnt[tid] > 0)  // chain node 0^(tid + 1), 0^tid's first child
     store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
   for (int r0 = 1; r0 < n; r0 += 32) {
@@ -1684,8 +1690,7 @@ inline int one_deviation_layout_host(const Threshold& t, int L, int keff, double
     }
   const int total = 1 + chain_kids + lines;
   if (total > t.cap) return -1;
-  t.score[0] = 0.0;
-  t.meta[0] = ts_meta(0, 0, 0, false);
+  store_root(t);
   for (int a = 0, at = 1 + chain_kids; a < L; ++a) {
     const int up = a == 0 ? 0 : first[a - 1];
     if (cnt[a] > 0) store_child(t, a, up, 0, first[a], cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
@@ -1776,7 +1781,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   if (stats && tid == 0) stats[2] = le > 0;
   for (const bool laid = le > 0; !laid;) {
-    if (tid == 0) { t.score[0] = 0.0; t.meta[0] = ts_meta(0, 0, 0, false); }
+    if (tid == 0) store_root(t);
     lb = 0;
     le = 1;
     KD_BARRIER();
