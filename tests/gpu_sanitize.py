@@ -32,6 +32,9 @@ def main():
     ops.tree_build(lp5.cuda(), ids5.cuda(), torch.full((16,), 64, dtype=torch.int32, device="cuda"), d_max=65)
     lp6, ids6 = lp5[:2, :, :16].contiguous(), ids5[:2, :, :16].contiguous()
     ops.tree_build(lp6.cuda(), ids6.cuda(), torch.full((2,), 16, dtype=torch.int32, device="cuda"), d_max=17)
+    # And at budget 256: the deviations dealt over all threads.
+    lp7, ids7 = stage_a_inputs(4, 15, 8192, 256, seed=7, drafts="confident")
+    ops.tree_build(lp7.cuda(), ids7.cuda(), torch.full((4,), 256, dtype=torch.int32, device="cuda"), d_max=257)
     target = torch.randint(0, 200, (3, 41), device="cuda")
     ops.tree_accept(trees.tokens, target, 15, next_token=trees.next_token, next_sibling=trees.next_sibling)  # a warp each
     # D 257: a CTA each; the target follows first children.

@@ -162,10 +162,11 @@ def test_tree_build_threshold_path_on_sweep_inputs(ops, budget):
         assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, cf
 
 
-@pytest.mark.parametrize("budget,K", [(16, 16), (64, 64), (256, 256), (1024, 256)])
+@pytest.mark.parametrize("budget,K", [(16, 16), (64, 64), (128, 128), (256, 256), (1024, 256)])
 def test_tree_build_on_deep_trees(ops, budget, K):
     """A confident drafter's trees (15 levels, narrow deep levels) at batch 16 and 64: the
-    heap's trees, on the threshold path."""
+    heap's trees, on the threshold path (laid out at once a warp a depth below rows of 128,
+    dealt over all threads from 128)."""
     for B in (16, 64):
         lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B + budget, drafts="confident")
         _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))

@@ -1553,6 +1553,36 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
 #endif
 constexpr int ONE_DEV_SCRATCH = 64;  // scratch ints past block_exclusive_scan's and the pivot counts
 
+#ifndef KD_ONE_DEV_KEYS
+#define KD_ONE_DEV_KEYS 1  // A/B builds: 0 walks up for every key, laid out or not
+#endif
+#ifndef KD_ONE_DEV_DEAL_MIN
+#define KD_ONE_DEV_DEAL_MIN 128  // A/B builds: 1 deals at every width, 1 << 30 never
+#endif
+// The narrowest rows whose layout deals the deviations over all threads; narrower rows give
+// a warp few enough that one warp a depth costs less than the block scan.
+constexpr int ONE_DEV_DEAL_MIN = KD_ONE_DEV_DEAL_MIN;
+
+// A laid-out node's deviation as a tag: (a << 16) | r for a node on 0^a r's line, 0 on the
+// chain. Tags sit past the layout's doubles over the sort items (free until the sort).
+KD_HD int* one_dev_tags(const Threshold& t) { return reinterpret_cast<int*>(t.items) + 128; }
+KD_HD void one_dev_tag(const Threshold& t, int i, int a, int r) {
+  if (KD_ONE_DEV_KEYS) one_dev_tags(t)[i] = (a << 16) | r;
+}
+
+// write_key's key for node i of a laid-out tree, from its depth and tag: digit d is rank + 1,
+// so 1 everywhere but the deviation's depth a, where it is r + 1.
+KD_HD void write_one_dev_key(const Threshold& t, int i) {
+  const int depth = ts_depth(t.meta[i]), tag = one_dev_tags(t)[i], a = tag >> 16, r = tag & 0xffff;
+  uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
+  for (int w = 0; w < KEY_WORDS; ++w) {
+    const int n = depth - 4 * w < 0 ? 0 : (depth - 4 * w > 4 ? 4 : depth - 4 * w);  // digits in word w
+    uint64_t v = n == 0 ? 0 : (0x0001000100010001ull >> (16 * (4 - n))) << (16 * (4 - n));
+    if (r > 0 && (a >> 2) == w) v += (uint64_t)r << ((3 - (a & 3)) * 16);
+    k[w] = v;
+  }
+}
+
 // S(tau) of a deep tree laid out at once, where no node of it lies two deviations off the
 // first-child chain: every node is 0^d or 0^a r 0^b (r >= 1), so the chain's child counts
 // and one walk down each deviation's first-child line give all of it, instead of one step
@@ -1564,6 +1594,33 @@ constexpr int ONE_DEV_SCRATCH = 64;  // scratch ints past block_exclusive_scan's
 // -1 where it declines (nothing written; the levels run instead): a second deviation, or
 // more nodes than the buffer holds.
 #ifdef __CUDA_ARCH__
+// The line of deviation 0^a r (parent chain(a) = ca): visit(-1, ...) for 0^a r itself, then
+// visit(k, parent score, x, score) for each first child k = 0, 1, .. scoring >= tau, over the
+// rows' staged first two log-probs x0, x1. Returns how many, or -1 where a node on it has a
+// rank-1 child >= tau (a second deviation).
+template <class Visit>
+__device__ __forceinline__ int one_dev_walk(const Threshold& t, const double* x0, const double* x1, int L,
+                                            double tau, int a, int r, double ca, Visit&& visit) {
+  const double x = (double)t.lp[a * t.ld + r];
+  double sc = KD_DADD(ca, x);
+  visit(-1, ca, x, sc);
+  bool on = true, two = false;
+  int below = 0;
+#pragma unroll
+  for (int j = 1; j < KEY_DEPTH; ++j) {
+    if (!on || j <= a || j >= L) continue;
+    const double y0 = x0[j], y1 = x1[j], next = KD_DADD(sc, y0);
+    two |= KD_DADD(sc, y1) >= tau;
+    on = next >= tau;
+    if (on) {
+      visit(below, sc, y0, next);
+      sc = next;
+      ++below;
+    }
+  }
+  return two ? -1 : below;
+}
+
 // Device: warp 0 counts the chain's children; then warp a walks the lines of 0^a's
 // deviations, a lane each, over the rows' first two log-probs staged as doubles.
 __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
@@ -1594,28 +1651,8 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   if (1 + chain_kids > t.cap) return -1;
   const int n = a < L ? cnt[a] : 0;  // warp-uniform
   const double ca = a < L ? cs[a] : 0.0;
-  // Lane r - 1 of warp a walks the line of 0^a r (32 deviations a pass): how many of its
-  // first children reach tau, and whether a node on it has a rank-1 child that does.
-  auto walk = [&](int r, auto&& visit) {
-    const double x = (double)t.lp[a * t.ld + r];
-    double sc = KD_DADD(ca, x);
-    visit(-1, ca, x, sc);
-    bool on = true, two = false;
-    int below = 0;
-#pragma unroll
-    for (int j = 1; j < KEY_DEPTH; ++j) {
-      if (!on || j <= a || j >= L) continue;
-      const double y0 = x0[j], y1 = x1[j], next = KD_DADD(sc, y0);
-      two |= KD_DADD(sc, y1) >= tau;
-      on = next >= tau;
-      if (on) {
-        visit(below, sc, y0, next);
-        sc = next;
-        ++below;
-      }
-    }
-    return two ? -1 : below;
-  };
+  // Lane r - 1 of warp a walks the line of 0^a r (32 deviations a pass).
+  auto walk = [&](int r, auto&& visit) { return one_dev_walk(t, x0, x1, L, tau, a, r, ca, visit); };
   bool two = false;
   int mine = 0, below_first = 0;  // this lane's line length in the first pass (most trees hold one)
   for (int r0 = 1; r0 < n; r0 += 32) {
@@ -1635,8 +1672,10 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   if (total > t.cap) return -1;
   int at = 1 + chain_kids + __shfl_sync(FULL_MASK, incl - ln, a & 31);  // warp a's first line node
   if (tid == 0) store_root(t);
-  if (tid < L && cnt[tid] > 0)  // chain node 0^(tid + 1), 0^tid's first child
+  if (tid < L && cnt[tid] > 0) {  // chain node 0^(tid + 1), 0^tid's first child
     store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
+    one_dev_tag(t, first[tid], 0, 0);
+  }
   for (int r0 = 1; r0 < n; r0 += 32) {
     const int r = r0 + lane;
     const int below = r0 == 1 ? below_first : r < n ? walk(r, [](int, double, double, double) {}) : 0;
@@ -1644,11 +1683,84 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
     int i = at + end - below, parent = first[a] + r;
     if (r < n)
       walk(r, [&](int k, double sp, double x, double sc) {
-        if (k < 0) { store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc); return; }
+        if (k < 0) {
+          store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc);
+          one_dev_tag(t, parent, a, r);
+          return;
+        }
         store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
+        one_dev_tag(t, i, a, r);
         parent = i++;
       });
     at += __shfl_sync(FULL_MASK, end, 31);
+  }
+  __syncthreads();  // the nodes before their keys (written over the rows)
+  return total;
+}
+
+// The same layout with the deviations dealt over all threads by their place in the chain
+// counts' scan (a thread a deviation, a block scan for the lines' places), where warp a
+// walks all of 0^a's deviations: at budget 256 warp 1 holds 30-54 of them.
+__device__ int one_deviation_layout_dealt(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
+  const int lane = tid & 31;
+  int* cnt = t.scratch + ONE_DEV_SCRATCH;  // [L] children of 0^a scoring >= tau
+  int* first = cnt + KEY_DEPTH;            // [L] buffer index of 0^a's first child
+  int* devs = first + KEY_DEPTH;           // [L + 1] deviations of the chain nodes before 0^a
+  int* kids = devs + KEY_DEPTH + 1;        // the chain nodes' children, all
+  double* cs = reinterpret_cast<double*>(t.items);
+  double* x0 = cs + KEY_DEPTH + 1;
+  double* x1 = x0 + KEY_DEPTH;
+  if (tid < 32) {
+    const double c = chain_sums(t, L, min(lane, L));
+    const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
+    const int incl = warp_inclusive_scan(n, lane), d = n > 1 ? n - 1 : 0, dincl = warp_inclusive_scan(d, lane);
+    if (lane <= L) { cs[lane] = c; devs[lane] = dincl - d; }
+    if (lane < L) {
+      cnt[lane] = n;
+      first[lane] = 1 + incl - n;
+      x0[lane] = (double)t.lp[lane * t.ld];
+      x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
+    }
+    if (lane == 31) *kids = incl;
+  }
+  __syncthreads();
+  const int chain_kids = *kids, patterns = devs[L];
+  if (1 + chain_kids > t.cap) return -1;
+  // Deviation p: of chain node 0^a with devs[a] <= p < devs[a + 1], rank p - devs[a] + 1.
+  auto depth_of = [&](int p) {
+    int lo = 0;
+    for (int step = KEY_DEPTH / 2; step > 0; step >>= 1)
+      if (lo + step < L && devs[lo + step] <= p) lo += step;
+    return lo;
+  };
+  bool two = false;
+  for (int p = tid; p < patterns; p += nthreads) {
+    const int a = depth_of(p), r = p - devs[a] + 1;
+    const int below = one_dev_walk(t, x0, x1, L, tau, a, r, cs[a], [](int, double, double, double) {});
+    two |= below < 0;
+    t.pos[p] = below;
+  }
+  if (__syncthreads_or(two)) return -1;
+  const int total = 1 + chain_kids + block_exclusive_scan(t.pos, patterns, t.scratch, tid, nthreads);
+  if (total > t.cap) return -1;
+  if (tid == 0) store_root(t);
+  if (tid < L && cnt[tid] > 0) {
+    store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
+    one_dev_tag(t, first[tid], 0, 0);
+  }
+  for (int p = tid; p < patterns; p += nthreads) {
+    const int a = depth_of(p), r = p - devs[a] + 1;
+    int i = 1 + chain_kids + t.pos[p], parent = first[a] + r;
+    one_dev_walk(t, x0, x1, L, tau, a, r, cs[a], [&](int k, double sp, double x, double sc) {
+      if (k < 0) {
+        store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc);
+        one_dev_tag(t, parent, a, r);
+        return;
+      }
+      store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
+      one_dev_tag(t, i, a, r);
+      parent = i++;
+    });
   }
   __syncthreads();  // the nodes before their keys (written over the rows)
   return total;
@@ -1693,13 +1805,18 @@ inline int one_deviation_layout_host(const Threshold& t, int L, int keff, double
   store_root(t);
   for (int a = 0, at = 1 + chain_kids; a < L; ++a) {
     const int up = a == 0 ? 0 : first[a - 1];
-    if (cnt[a] > 0) store_child(t, a, up, 0, first[a], cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
+    if (cnt[a] > 0) {
+      store_child(t, a, up, 0, first[a], cs[a], (double)t.lp[a * t.ld], cs[a + 1]);
+      one_dev_tag(t, first[a], 0, 0);
+    }
     for (int r = 1; r < cnt[a]; ++r) {
       const double x = (double)t.lp[a * t.ld + r];
       store_child(t, a, up, r, first[a] + r, cs[a], x, KD_DADD(cs[a], x));
+      one_dev_tag(t, first[a] + r, a, r);
       int parent = first[a] + r;
       walk(a, r, [&](int k, double sp, double x0, double sc) {
         store_child(t, a + 1 + k, parent, 0, at, sp, x0, sc);
+        one_dev_tag(t, at, a, r);
         parent = at++;
       });
     }
@@ -1709,7 +1826,8 @@ inline int one_deviation_layout_host(const Threshold& t, int L, int keff, double
 
 KD_HD int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
-  return one_deviation_layout_device(t, L, keff, tau, tid, nthreads);
+  return keff >= ONE_DEV_DEAL_MIN ? one_deviation_layout_dealt(t, L, keff, tau, tid, nthreads)
+                                 : one_deviation_layout_device(t, L, keff, tau, tid, nthreads);
 #else
   (void)tid; (void)nthreads;
   return one_deviation_layout_host(t, L, keff, tau);
@@ -1780,7 +1898,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
                        (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   if (stats && tid == 0) stats[2] = le > 0;
-  for (const bool laid = le > 0; !laid;) {
+  const bool laid_out = le > 0;
+  for (const bool laid = laid_out; !laid;) {
     if (tid == 0) store_root(t);
     lb = 0;
     le = 1;
@@ -1882,7 +2001,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // Keys (over the dead lp), then the sort of the m candidates.
   bool long_keys = false;  // a node deeper than SHORT_KEY_DEPTH: all four key words in use
   for (int i = 1 + tid; i < nS; i += nthreads) {
-    write_key(t, i);
+    if (KD_ONE_DEV_KEYS && laid_out) write_one_dev_key(t, i);
+    else write_key(t, i);
     long_keys |= ts_depth(t.meta[i]) > SHORT_KEY_DEPTH;
     t.pos[i - 1] = 0;  // rank_sort's counters
   }
