@@ -1566,6 +1566,9 @@ constexpr int ONE_DEV_DEAL_MIN = KD_ONE_DEV_DEAL_MIN;
 // A laid-out node's deviation as a tag: (a << 16) | r for a node on 0^a r's line, 0 on the
 // chain. Tags sit past the layout's doubles over the sort items (free until the sort).
 KD_HD int* one_dev_tags(const Threshold& t) { return reinterpret_cast<int*>(t.items) + 128; }
+static_assert((3 * KEY_DEPTH + 1) * sizeof(double) <= 128 * sizeof(int), "the tags start past the staged doubles");
+static_assert((128 + TS_MIN_NODES) * sizeof(int) <= TS_MIN_NODES * sizeof(SortItem),
+              "a tag a node fits over the sort items at every buffer size");
 KD_HD void one_dev_tag(const Threshold& t, int i, int a, int r) {
   if (KD_ONE_DEV_KEYS) one_dev_tags(t)[i] = (a << 16) | r;
 }
