@@ -1900,9 +1900,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE && keff == budget &&
                        (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
-  if (stats && tid == 0) stats[2] = le > 0;
   const bool laid_out = le > 0;
-  for (const bool laid = laid_out; !laid;) {
+  if (stats && tid == 0) stats[2] = laid_out;
+  while (!laid_out) {  // the levels, where the layout did not run or declined
     if (tid == 0) store_root(t);
     lb = 0;
     le = 1;
