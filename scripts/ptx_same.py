@@ -11,6 +11,14 @@ in both trees; --extra-flags apply to this tree only. Anonymous-namespace and in
 carry a per-file tag (it moves with the source's path and length), so they are replaced
 before comparing.
 Prints one line a source and arch; exits 1 where any differs, 2 on a compile error.
+
+    python3 scripts/ptx_same.py HEAD --machine-code       # where the PTX differs, compare SASS
+
+--machine-code assembles both sides' PTX with ptxas (beside nvcc) where it differs and
+compares the cubins: the PTX can differ where the code the GPU runs does not (a register
+count, two independent instructions in another order). The real arch of compute_90a is
+sm_90a, of compute_120 sm_120; the PTX fallback (compute_90) is assembled for sm_90, one
+of the GPUs that may JIT it. Exits 0 only where every pair matches in PTX or machine code.
 """
 import argparse
 import pathlib
@@ -22,6 +30,7 @@ import tempfile
 from kdtree import build
 
 VIRTUAL = {"sm_90a": "compute_90a", "sm_120": "compute_120", "compute_90": "compute_90"}
+REAL = {"sm_90a": "sm_90a", "sm_120": "sm_120", "compute_90": "sm_90"}  # what --machine-code assembles for
 MINE = pathlib.Path(__file__).resolve().parent.parent / "kernels"  # this checkout's, not an installed copy's
 
 
@@ -57,6 +66,19 @@ def ptx_of(kernels: pathlib.Path, rel: str, arch: str, archs, extra_flags) -> st
     return anonymous_names_replaced(r.stdout)
 
 
+def cubin_of(ptx: str, arch: str, tmp: pathlib.Path, side: str) -> bytes:
+    """ptx assembled by ptxas (the one nvcc calls) for REAL[arch]; the names are the
+    normalised ones, so two sides' cubins compare byte for byte."""
+    ptxas = pathlib.Path(build.find_nvcc()).with_name("ptxas")
+    src, out = tmp / f"{side}.ptx", tmp / f"{side}.cubin"
+    src.write_text(ptx)
+    r = subprocess.run([str(ptxas), f"-arch={REAL[arch]}", "-O3", str(src), "-o", str(out)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"ptxas could not assemble the {side} PTX for {REAL[arch]}:\n{r.stderr[-2000:]}")
+    return out.read_bytes()
+
+
 def base_kernels(base: str, tmp: pathlib.Path) -> pathlib.Path:
     folder = pathlib.Path(base)
     if (folder / "kernels" / "src").is_dir():
@@ -76,10 +98,12 @@ def main(argv=None) -> int:
                    help="the build's archs (default: the library's)")
     a.add_argument("--sources", nargs="+", help="sources under kernels/src (default: all)")
     a.add_argument("--extra-flags", default="", help="more nvcc flags for this tree, one string")
+    a.add_argument("--machine-code", action="store_true",
+                   help="where the PTX differs, assemble both with ptxas and compare the cubins")
     args = a.parse_args(argv)
     mine = MINE
     rels = args.sources or sorted(p.relative_to(mine / "src").as_posix() for p in (mine / "src").rglob("*.cu"))
-    differ = 0
+    differ = ptx_only = 0
     with tempfile.TemporaryDirectory() as tmp:
         theirs = base_kernels(args.base, pathlib.Path(tmp))
         for rel in rels:
@@ -91,10 +115,23 @@ def main(argv=None) -> int:
                 continue
             for arch in build._source_archs(mine / "src" / rel, args.archs):
                 ours = ptx_of(mine, rel, arch, args.archs, tuple(args.extra_flags.split()))
-                same = ours == ptx_of(theirs, rel, arch, args.archs, ())
-                print(f"{rel} ({VIRTUAL[arch]}): {'same' if same else 'differs'}")
-                differ += not same
-    print("same PTX" if not differ else f"{differ} differ")
+                base = ptx_of(theirs, rel, arch, args.archs, ())
+                if ours == base:
+                    print(f"{rel} ({VIRTUAL[arch]}): same")
+                    continue
+                if args.machine_code:
+                    same = cubin_of(ours, arch, pathlib.Path(tmp), "this") == cubin_of(base, arch, pathlib.Path(tmp), "base")
+                    print(f"{rel} ({VIRTUAL[arch]}): PTX differs, machine code for {REAL[arch]} "
+                          f"{'the same' if same else 'differs'}")
+                    ptx_only += same
+                    differ += not same
+                else:
+                    print(f"{rel} ({VIRTUAL[arch]}): differs")
+                    differ += 1
+    if differ:
+        print(f"{differ} differ")
+    else:
+        print("same PTX" if not ptx_only else f"same machine code ({ptx_only} differ in PTX alone)")
     return 1 if differ else 0
 
 

@@ -81,6 +81,8 @@ COVERED = {
     "scripts/ncu_stalls.py": ("run", None),
     "scripts/ptx_same.py BASE": ("run", "test_ptx_same_tells_moved_lines_from_changed_code"),
     "scripts/ptx_same.py HEAD --extra-flags=-DKD_SOME_FLAG=0": ("pattern", "test_ptx_same_tells_moved_lines_from_changed_code"),
+    "scripts/ptx_same.py BASE --machine-code": ("pattern", "test_ptx_same_machine_code_tells_a_register_count_"
+                                                           "from_an_instruction"),
     "scripts/fuzz_gpu.py": ("gpu", "session 61's fuzzing campaigns on the H200 (docs/kernels/README.md's record)"),
     "scripts/fuzz_gpu.py --seconds N --out F.jsonl": ("gpu", "the same campaigns' form (ab/run127.sh, ab/run128.sh)"),
     "scripts/tree_build_host_twin.py": ("run", "test_host_twin_script_compares_libraries (tests/test_kernel_host.py)"),
@@ -348,6 +350,41 @@ def test_ptx_same_tells_moved_lines_from_changed_code(tmp_path):
     assert r.returncode == 2 and "BASE must be a commit or a folder" in r.stderr
     r = run(str(base), "--sources", "no_such.cu")
     assert r.returncode == 2 and "--sources" in r.stderr
+
+
+TINY_PTX = """.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry tiny(.param .u64 out)
+{
+  .reg .b32 %r<REGS>;
+  .reg .b64 %rd<3>;
+  ld.param.u64 %rd1, [out];
+  cvta.to.global.u64 %rd2, %rd1;
+  mov.u32 %r1, %tid.x;
+  VALUE
+  st.global.u32 [%rd2], %r2;
+  ret;
+}
+"""
+
+
+@pytest.mark.skipif(not _nvcc_found(), reason="needs nvcc (CI has it)")
+def test_ptx_same_machine_code_tells_a_register_count_from_an_instruction(tmp_path):
+    """scripts/ptx_same.py --machine-code: two PTX texts that differ only in a register
+    count declared assemble to the same cubin; a changed constant does not."""
+    spec = importlib.util.spec_from_file_location("ptx_same", ROOT / "scripts" / "ptx_same.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def cubin(regs, value, side):
+        ptx = TINY_PTX.replace("REGS", str(regs)).replace("VALUE", f"add.u32 %r2, %r1, {value};")
+        return mod.cubin_of(ptx, "compute_90", tmp_path, side)
+
+    base = cubin(3, 1, "base")
+    assert base[:4] == b"\x7fELF"
+    assert cubin(9, 1, "this") == base
+    assert cubin(3, 2, "this") != base
 
 
 def test_offline_peers_resolves_an_import_and_fetches_what_is_missing(tmp_path):
