@@ -1624,6 +1624,48 @@ __device__ __forceinline__ int one_dev_walk(const Threshold& t, const double* x0
   return two ? -1 : below;
 }
 
+// Writes the line of deviation 0^a r: the deviation at buffer index parent (its place among
+// 0^a's children), then its first-child line at i, i + 1, .. (each its predecessor's child).
+__device__ __forceinline__ void one_dev_write_line(const Threshold& t, const double* x0, const double* x1,
+                                                   const int* first, int L, double tau, int a, int r,
+                                                   double ca, int i, int parent) {
+  one_dev_walk(t, x0, x1, L, tau, a, r, ca, [&](int k, double sp, double x, double sc) {
+    if (k < 0) {
+      store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc);
+      one_dev_tag(t, parent, a, r);
+      return;
+    }
+    store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
+    one_dev_tag(t, i, a, r);
+    parent = i++;
+  });
+}
+
+// Warp 0 of a layout, lane a for depth a: chain(a), the count of 0^a's children >= tau and the
+// buffer index of the first (the chain nodes' children laid out by one warp scan), the row's
+// first two log-probs as doubles, all the chain nodes' children, and for the dealt layout the
+// deviations of the chain nodes before 0^a (a second scan).
+template <bool Dealt>
+__device__ __forceinline__ void one_dev_count_chain(const Threshold& t, int L, int keff, double tau, int lane,
+                                                    int* cnt, int* first, int* kids, int* devs, double* cs,
+                                                    double* x0, double* x1) {
+  const double c = chain_sums(t, L, min(lane, L));
+  const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
+  const int incl = warp_inclusive_scan(n, lane), d = n > 1 ? n - 1 : 0;
+  const int dincl = Dealt ? warp_inclusive_scan(d, lane) : 0;
+  if (lane <= L) {
+    cs[lane] = c;
+    if (Dealt) devs[lane] = dincl - d;
+  }
+  if (lane < L) {
+    cnt[lane] = n;
+    first[lane] = 1 + incl - n;
+    x0[lane] = (double)t.lp[lane * t.ld];
+    x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
+  }
+  if (lane == 31) *kids = incl;
+}
+
 // Device: warp 0 counts the chain's children; then warp a walks the lines of 0^a's
 // deviations, a lane each, over the rows' first two log-probs staged as doubles.
 __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
@@ -1636,19 +1678,7 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   double* cs = reinterpret_cast<double*>(t.items);  // chain(0 .. L), over the sort items (free here)
   double* x0 = cs + KEY_DEPTH + 1;                  // [L] each row's rank-0 log-prob
   double* x1 = x0 + KEY_DEPTH;                      // [L] its rank-1 one (-inf for rows of one)
-  if (tid < 32) {
-    const double c = chain_sums(t, L, min(lane, L));
-    const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
-    const int incl = warp_inclusive_scan(n, lane);
-    if (lane <= L) cs[lane] = c;
-    if (lane < L) {
-      cnt[lane] = n;
-      first[lane] = 1 + incl - n;
-      x0[lane] = (double)t.lp[lane * t.ld];
-      x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
-    }
-    if (lane == 31) *kids = incl;
-  }
+  if (tid < 32) one_dev_count_chain<false>(t, L, keff, tau, lane, cnt, first, kids, nullptr, cs, x0, x1);
   __syncthreads();
   const int chain_kids = *kids;
   if (1 + chain_kids > t.cap) return -1;
@@ -1683,18 +1713,8 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
     const int r = r0 + lane;
     const int below = r0 == 1 ? below_first : r < n ? walk(r, [](int, double, double, double) {}) : 0;
     const int end = warp_inclusive_scan(below, lane);
-    int i = at + end - below, parent = first[a] + r;
-    if (r < n)
-      walk(r, [&](int k, double sp, double x, double sc) {
-        if (k < 0) {
-          store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc);
-          one_dev_tag(t, parent, a, r);
-          return;
-        }
-        store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
-        one_dev_tag(t, i, a, r);
-        parent = i++;
-      });
+    const int i = at + end - below, parent = first[a] + r;
+    if (r < n) one_dev_write_line(t, x0, x1, first, L, tau, a, r, ca, i, parent);
     at += __shfl_sync(FULL_MASK, end, 31);
   }
   __syncthreads();  // the nodes before their keys (written over the rows)
@@ -1713,19 +1733,7 @@ __device__ int one_deviation_layout_dealt(const Threshold& t, int L, int keff, d
   double* cs = reinterpret_cast<double*>(t.items);
   double* x0 = cs + KEY_DEPTH + 1;
   double* x1 = x0 + KEY_DEPTH;
-  if (tid < 32) {
-    const double c = chain_sums(t, L, min(lane, L));
-    const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
-    const int incl = warp_inclusive_scan(n, lane), d = n > 1 ? n - 1 : 0, dincl = warp_inclusive_scan(d, lane);
-    if (lane <= L) { cs[lane] = c; devs[lane] = dincl - d; }
-    if (lane < L) {
-      cnt[lane] = n;
-      first[lane] = 1 + incl - n;
-      x0[lane] = (double)t.lp[lane * t.ld];
-      x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
-    }
-    if (lane == 31) *kids = incl;
-  }
+  if (tid < 32) one_dev_count_chain<true>(t, L, keff, tau, lane, cnt, first, kids, devs, cs, x0, x1);
   __syncthreads();
   const int chain_kids = *kids, patterns = devs[L];
   if (1 + chain_kids > t.cap) return -1;
@@ -1753,17 +1761,8 @@ __device__ int one_deviation_layout_dealt(const Threshold& t, int L, int keff, d
   }
   for (int p = tid; p < patterns; p += nthreads) {
     const int a = depth_of(p), r = p - devs[a] + 1;
-    int i = 1 + chain_kids + t.pos[p], parent = first[a] + r;
-    one_dev_walk(t, x0, x1, L, tau, a, r, cs[a], [&](int k, double sp, double x, double sc) {
-      if (k < 0) {
-        store_child(t, a, a == 0 ? 0 : first[a - 1], r, parent, sp, x, sc);
-        one_dev_tag(t, parent, a, r);
-        return;
-      }
-      store_child(t, a + 1 + k, parent, 0, i, sp, x, sc);
-      one_dev_tag(t, i, a, r);
-      parent = i++;
-    });
+    const int i = 1 + chain_kids + t.pos[p], parent = first[a] + r;
+    one_dev_write_line(t, x0, x1, first, L, tau, a, r, cs[a], i, parent);
   }
   __syncthreads();  // the nodes before their keys (written over the rows)
   return total;
