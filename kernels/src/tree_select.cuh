@@ -119,47 +119,60 @@ __device__ __forceinline__ Entry shfl_entry(const Entry& x, int src) {
 #endif
 
 // The entry of lane j, on every lane.
-KD_HD Entry lane_get(const Lanes& f, int j) {
 #ifdef __CUDA_ARCH__
+__device__ inline Entry lane_get(const Lanes& f, int j) {
   return shfl_entry(f.e, j);
-#else
-  return f.e[j];
-#endif
 }
+#else
+inline Entry lane_get(const Lanes& f, int j) {
+  return f.e[j];
+}
+#endif
+
+// Lane 0's entry := x (on the device every lane's: lanes past k are never read).
+#ifdef __CUDA_ARCH__
+__device__ inline void lane_set_first(Lanes& f, const Entry& x) { f.e = x; }
+#else
+inline void lane_set_first(Lanes& f, const Entry& x) { f.e[0] = x; }
+#endif
 
 // How many of lanes [from, k) hold an entry better than x.
-KD_HD int count_better(const Selection& s, const Lanes& f, int from, const Entry& x) {
 #ifdef __CUDA_ARCH__
+__device__ inline int count_better(const Selection& s, const Lanes& f, int from, const Entry& x) {
   const int j = threadIdx.x & 31;
   return __popc(__ballot_sync(FULL_MASK, j >= from && j < f.k && better(s, f.e, x)));
+}
 #else
+inline int count_better(const Selection& s, const Lanes& f, int from, const Entry& x) {
   int c = 0;
   for (int j = from; j < f.k; ++j) c += better(s, f.e[j], x);
   return c;
-#endif
 }
+#endif
 
 // Lanes become: the old lanes without lane 0 if `drop`, with x inserted at `pos` if
 // `insert`. Lanes past the new end hold junk and are never read. k is the caller's.
-KD_HD void splice(Lanes& f, int drop, bool insert, int pos, const Entry& x) {
 #ifdef __CUDA_ARCH__
+__device__ inline void splice(Lanes& f, int drop, bool insert, int pos, const Entry& x) {
   const int j = threadIdx.x & 31;
   const int src = min(j + drop - (insert && j > pos ? 1 : 0), 31);
   const Entry v = shfl_entry(f.e, src);
   f.e = (insert && j == pos) ? x : v;
+}
 #else
+inline void splice(Lanes& f, int drop, bool insert, int pos, const Entry& x) {
   Entry old[32];
   for (int j = 0; j < 32; ++j) old[j] = f.e[j];
   for (int j = 0; j < 32; ++j) {
     const int src = j + drop - (insert && j > pos ? 1 : 0);
     f.e[j] = (insert && j == pos) ? x : old[src < 31 ? src : 31];
   }
-#endif
 }
+#endif
 
 // Index of the best overflow entry (nov > 0), on every lane.
-KD_HD int overflow_best(const Selection& s, int nov) {
 #ifdef __CUDA_ARCH__
+__device__ inline int overflow_best(const Selection& s, int nov) {
   const int lane = threadIdx.x & 31;
   Entry b = s.overflow[0];
   int bi = 0;
@@ -173,13 +186,15 @@ KD_HD int overflow_best(const Selection& s, int nov) {
     if (better(s, o, b)) { b = o; bi = oi; }
   }
   return bi;
+}
 #else
+inline int overflow_best(const Selection& s, int nov) {
   int bi = 0;
   for (int i = 1; i < nov; ++i)
     if (better(s, s.overflow[i], s.overflow[bi])) bi = i;
   return bi;
-#endif
 }
+#endif
 // ------------------------------------------------------------------------------------
 
 KD_HD void overflow_append(const Selection& s, int& nov, const Entry& x) {
@@ -234,12 +249,7 @@ KD_HD int select_nodes(const float* lp, int ld, int L, int K, int budget, const 
   Lanes f;
   f.k = 1;
   int nov = 0, n = 0;
-  const Entry root_child{load_lp(lp, ld, 0, 0), pack_node(0, 0, 1)};
-#ifdef __CUDA_ARCH__
-  f.e = root_child;
-#else
-  f.e[0] = root_child;
-#endif
+  lane_set_first(f, Entry{load_lp(lp, ld, 0, 0), pack_node(0, 0, 1)});
   while (f.k > 0 && n < budget) {
     const Entry top = lane_get(f, 0);
     const int parent = node_parent(top.node), rank = node_rank(top.node), depth = node_depth(top.node);

@@ -1,5 +1,6 @@
 // Threshold selection: the parallel form of the best-first build (spec ddtree.md 2-3), run
-// by a whole CTA per request. Python reference and argument: kdtree/threshold_select.py.
+// by a whole CTA per request. Python reference and argument: kdtree/reference/threshold_select.py;
+// design and measurements: docs/kernels/tree_build.md.
 //
 // Certificate: every depth's first Keff log-probs (-inf clamped) are non-increasing and
 // <= 0 (the caller checks this while staging them), and every selected node's score
@@ -7,16 +8,22 @@
 // and the heap pops exactly the top-`budget` nodes in (score, rank path) order, so:
 //  1. enumerate S(tau) = {score >= tau} level by level: a parent's children in S are a
 //     rank prefix (one binary search per parent), laid out by a scan (warp 0 alone while
-//     a level has at most 32 parents, then the block);
+//     a level has at most 32 parents, then the block); a deep tree one deviation wide off
+//     the first-child chain is laid out at once instead (one-CTA kernel);
 //  2. a level that overflows the node buffer raises tau to about the budget-th best score
-//     of what was materialised (radix passes over the score bits; the budget-th best of any
-//     subset of the tree is <= the tree's own), drops what fell below, and is redone;
-//  3. path keys by a walk up each node, a sort by (score, key) (device: ranks by counting
-//     up to 256 candidates, merged warp-sorted runs above; host: a bitonic network), keep
-//     `budget`.
+//     of what was materialised (linear score bins or radix passes over the score bits; the
+//     budget-th best of any subset of the tree is <= the tree's own), drops what fell
+//     below, and is redone;
+//  3. path keys (a walk up each node, or from a laid-out node's deviation), a sort by
+//     (score, key) (device: ranks by counting up to RANK_COUNT_MAX candidates, by counting
+//     within linear score bins above, merged warp-sorted runs where a bin is too tied;
+//     host: a bitonic network), keep `budget`.
 // A refusal returns -1 and the caller runs the heap-exact warp loop (tree_select.cuh).
 // Every function is called by all threads of the block with uniform control flow around
-// barriers; the host build runs the same code with one thread (barriers are no-ops).
+// barriers; the host build runs the same code with one thread (barriers are no-ops). Where
+// the two differ, a device function and its host twin of the same name (or a dispatcher to
+// `_device` and `_host` twins); the device-only steps of threshold_select (warp 0's narrow
+// levels, the counting ranks) have no twin: the host takes the general path there.
 #pragma once
 #include <string.h>
 
@@ -122,35 +129,41 @@ KD_HD bool exact_sum(double a, double b, double s) {
 }
 
 // The least float >= y: for a float v, v >= y exactly when v >= it.
-KD_HD float float_at_or_above(double y) {
 #ifdef __CUDA_ARCH__
+__device__ inline float float_at_or_above(double y) {
   return __double2float_ru(y);
+}
 #else
+inline float float_at_or_above(double y) {
   float f = (float)y;
   if ((double)f < y) f = nextafterf(f, INFINITY);
   return f;
-#endif
 }
+#endif
 
 // a - b rounded up: at least the exact difference.
-KD_HD double dsub_up(double a, double b) {
 #ifdef __CUDA_ARCH__
+__device__ inline double dsub_up(double a, double b) {
   return __dsub_ru(a, b);
-#else
-  return nextafter(a - b, INFINITY);  // past the nearest: one ulp of slack, still an upper bound
-#endif
 }
+#else
+inline double dsub_up(double a, double b) {
+  return nextafter(a - b, INFINITY);  // past the nearest: one ulp of slack, still an upper bound
+}
+#endif
 
 // v >= y as IEEE floats (fast-math's flush-to-zero would count a subnormal y as 0).
-KD_HD bool float_ge(float v, float y) {
 #ifdef __CUDA_ARCH__
+__device__ inline bool float_ge(float v, float y) {
   unsigned r;
   asm("{\n\t.reg .pred p;\n\tsetp.ge.f32 p, %1, %2;\n\tselp.u32 %0, 1, 0, p;\n\t}" : "=r"(r) : "f"(v), "f"(y));
   return r != 0;
-#else
-  return v >= y;
-#endif
 }
+#else
+inline bool float_ge(float v, float y) {
+  return v >= y;
+}
+#endif
 
 // The end of the prefix of ranks r in [first, keff) with fl(s + lp[r]) >= tau. Not inlined:
 // count_children's rare path, kept off its callers' registers.
@@ -182,25 +195,30 @@ KD_HD int count_children(const float* row, int keff, double s, double tau) {
   return first < keff && KD_DADD(s, (double)row[first]) >= tau ? count_exact(row, first + 1, keff, s, tau) : first;
 }
 
-// Scores as unsigned keys in the same order (all scores here are finite).
-KD_HD unsigned long long order_key(double x) {
+// A double's bits and back.
 #ifdef __CUDA_ARCH__
-  const unsigned long long u = (unsigned long long)__double_as_longlong(x);
+__device__ inline unsigned long long double_bits(double x) { return (unsigned long long)__double_as_longlong(x); }
+__device__ inline double bits_double(unsigned long long u) { return __longlong_as_double((long long)u); }
 #else
+inline unsigned long long double_bits(double x) {
   unsigned long long u;
   memcpy(&u, &x, 8);
-#endif
-  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+  return u;
 }
-KD_HD double from_order_key(unsigned long long u) {
-  u = (u >> 63) ? (u & 0x7fffffffffffffffull) : ~u;
-#ifdef __CUDA_ARCH__
-  return __longlong_as_double((long long)u);
-#else
+inline double bits_double(unsigned long long u) {
   double x;
   memcpy(&x, &u, 8);
   return x;
+}
 #endif
+
+// Scores as unsigned keys in the same order (all scores here are finite).
+KD_HD unsigned long long order_key(double x) {
+  const unsigned long long u = double_bits(x);
+  return (u >> 63) ? ~u : (u | 0x8000000000000000ull);
+}
+KD_HD double from_order_key(unsigned long long u) {
+  return bits_double((u >> 63) ? (u & 0x7fffffffffffffffull) : ~u);
 }
 
 // The bin of a score s >= lo among nb linear bins over [lo, lo + nb / scale]: monotone in s
@@ -210,29 +228,20 @@ KD_HD int score_bin(double s, double lo, double scale, int nb) {
   return v >= (double)(nb - 1) ? nb - 1 : (int)v;
 }
 
-KD_HD int smem_add(int* p, int v) {
+// Shared-memory updates: atomics on the device, plain on the host twin's one thread.
 #ifdef __CUDA_ARCH__
-  return atomicAdd(p, v);
+__device__ inline int smem_add(int* p, int v) { return atomicAdd(p, v); }
+__device__ inline void smem_min(unsigned long long* p, unsigned long long v) { atomicMin(p, v); }
+__device__ inline void smem_max(unsigned long long* p, unsigned long long v) { atomicMax(p, v); }
 #else
+inline int smem_add(int* p, int v) {
   const int old = *p;
   *p += v;
   return old;
-#endif
 }
-KD_HD void smem_min(unsigned long long* p, unsigned long long v) {
-#ifdef __CUDA_ARCH__
-  atomicMin(p, v);
-#else
-  if (v < *p) *p = v;
+inline void smem_min(unsigned long long* p, unsigned long long v) { if (v < *p) *p = v; }
+inline void smem_max(unsigned long long* p, unsigned long long v) { if (v > *p) *p = v; }
 #endif
-}
-KD_HD void smem_max(unsigned long long* p, unsigned long long v) {
-#ifdef __CUDA_ARCH__
-  atomicMax(p, v);
-#else
-  if (v > *p) *p = v;
-#endif
-}
 
 #ifdef __CUDA_ARCH__
 // A warp's inclusive scan of c over its lanes in order.
@@ -247,8 +256,8 @@ __device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
 
 // In-place exclusive scan of v[0, n); every thread gets the total. Each thread sums a
 // contiguous chunk, warps scan the chunk sums, warp 0 scans the warp sums.
-KD_HD int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
+__device__ inline int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) {
   const int per = (n + nthreads - 1) / nthreads;
   const int lo = min(n, tid * per), hi = min(n, lo + per);
   int sum = 0;
@@ -269,18 +278,20 @@ KD_HD int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) 
   const int total = sums[32];
   __syncthreads();
   return total;
+}
 #else
+inline int block_exclusive_scan(int* v, int n, int* sums, int tid, int nthreads) {
   (void)sums; (void)tid; (void)nthreads;
   int run = 0;
   for (int i = 0; i < n; ++i) { const int x = v[i]; v[i] = run; run += x; }
   return run;
-#endif
 }
+#endif
 
 // Radix step: the highest bin b with count(bins > b) < need <= count(bins >= b). Written to
 // out[0] = b, out[1] = count(bins > b). Device: warp 0 (lane l owns bins 8l .. 8l+7).
-KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
 #ifdef __CUDA_ARCH__
+__device__ inline void radix_pick(const int* hist, int need, int* out, int tid) {
   if (tid >= 32) return;
   const int lane = tid;
   int mine = 0;
@@ -299,15 +310,17 @@ KD_HD void radix_pick(const int* hist, int need, int* out, int tid) {
       above += hist[b];
     }
   }
+}
 #else
+inline void radix_pick(const int* hist, int need, int* out, int tid) {
   (void)tid;
   int above = 0;
   for (int b = TS_BINS - 1; b >= 0; --b) {
     if (above + hist[b] >= need) { out[0] = b; out[1] = above; return; }
     above += hist[b];
   }
-#endif
 }
+#endif
 
 // One count into hist[bin] where `in`, by every thread of a pass over the nodes. Scores crowd
 // into a few bins, so on the device one atomic per distinct bin of the warp, not per lane.
@@ -479,10 +492,10 @@ KD_HD void clear_level_counters(const Threshold& t, int tid) {
 // allocates its children with one atomic on the level's counter (t.scratch[TS_COUNTERS +
 // d % 3], zero on entry); the order of parent groups varies, and nothing depends on it.
 // Host: one block scan, parents in order.
-KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int d, double tau,
-                            int lb, int le, int tid, int nthreads) {
-  const int room = t.cap - le;
 #ifdef __CUDA_ARCH__
+__device__ inline int materialise_level(const Threshold& t, const float* row, int keff, int d, double tau,
+                                        int lb, int le, int tid, int nthreads) {
+  const int room = t.cap - le;
   int* counter = t.scratch + TS_COUNTERS + d % 3;
   const int lane = tid & 31;
   for (int p0 = lb; p0 < le; p0 += nthreads) {
@@ -505,7 +518,11 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
   }
   __syncthreads();
   return *counter;
+}
 #else
+inline int materialise_level(const Threshold& t, const float* row, int keff, int d, double tau,
+                             int lb, int le, int tid, int nthreads) {
+  const int room = t.cap - le;
   const int np = le - lb;
   for (int i = tid; i < np; i += nthreads) t.pos[i] = count_children(row, keff, t.score[lb + i], tau);
   const int total = block_exclusive_scan(t.pos, np, t.scratch, tid, nthreads);
@@ -521,8 +538,8 @@ KD_HD int materialise_level(const Threshold& t, const float* row, int keff, int 
     write_child(t, row, d, lb + o, j - t.pos[o], le + j);
   }
   return total;
-#endif
 }
+#endif
 
 #ifdef __CUDA_ARCH__
 constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
@@ -938,9 +955,9 @@ __device__ bool emit_by_rank(const Threshold& t, int m, int n, const Selection& 
 // warp in every stage): 19k cycles at budget 256, 72k at 1024. Host: the plain network.
 constexpr int TS_SORT_SLOTS = 4;  // items a thread holds: cap / threads <= 2048 / 512
 
-KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
-  const int cap = t.cap;
 #ifdef __CUDA_ARCH__
+__device__ inline void sort_items(const Threshold& t, int m, int tid, int nthreads) {
+  const int cap = t.cap;
   int P = 32;
   while (P < m) P <<= 1;
   SortItem it[TS_SORT_SLOTS];
@@ -996,7 +1013,10 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
   for (int s = 0; s < TS_SORT_SLOTS; ++s)
     if (pos[s] < P) t.items[pos[s]] = it[s];
   __syncthreads();
+}
 #else
+inline void sort_items(const Threshold& t, int m, int tid, int nthreads) {
+  const int cap = t.cap;
   (void)nthreads;
   int P = 1;
   while (P < m) P <<= 1;
@@ -1010,16 +1030,18 @@ KD_HD void sort_items(const Threshold& t, int m, int tid, int nthreads) {
         const SortItem a = t.items[i], b = t.items[l];
         if ((i & k) == 0 ? item_better(t, b, a) : item_better(t, a, b)) { t.items[i] = b; t.items[l] = a; }
       }
-#endif
 }
+#endif
 
-KD_HD bool block_any(bool x) {
 #ifdef __CUDA_ARCH__
+__device__ inline bool block_any(bool x) {
   return __syncthreads_or(x) != 0;
-#else
-  return x;
-#endif
 }
+#else
+inline bool block_any(bool x) {
+  return x;
+}
+#endif
 
 // A start for tau at least as high as `tau` (itself a lower bound of the budget-th best
 // score) from the nodes with at most one deviation from the first-child chain: 0^a r 0^b
@@ -1080,17 +1102,19 @@ KD_HD Pivots dev_pivots(int budget, int batch) {
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
-KD_HD double start_pivot(double lo, double hi, int k, const Pivots& pv) {
 #ifdef __CUDA_ARCH__
+__device__ inline double start_pivot(double lo, double hi, int k, const Pivots& pv) {
   double f = __dmul_rn((double)k, pv.step);
   if (pv.squared) f = __dmul_rn(f, f);
   return __dadd_rn(lo, __dmul_rn(__dsub_rn(hi, lo), f));
+}
 #else
+inline double start_pivot(double lo, double hi, int k, const Pivots& pv) {
   double f = (double)k * pv.step;
   if (pv.squared) f = f * f;
   return lo + (hi - lo) * f;
-#endif
 }
+#endif
 
 // A round's step: [lo, hi] := between pivot best + 1, the highest whose count holds
 // `budget` (-1: none did), and the next one (counts fall as pivots rise).
@@ -1273,14 +1297,17 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   return start_safe(lo, tau);
 }
 
-KD_HD double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
+__device__ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                         int nthreads) {
   return deviation_bound_device(t, L, keff, budget, tau, tid, nthreads);
+}
 #else
+inline double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
   return deviation_bound_host(t, L, keff, budget, tau);
-#endif
 }
+#endif
 
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
@@ -1307,9 +1334,10 @@ KD_HD int ts_capacity(int budget, bool batched) {
   return c;
 }
 
-KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
-  const Pivots pv = chain_pivots(budget);
 #ifdef __CUDA_ARCH__
+__device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                     int nthreads) {
+  const Pivots pv = chain_pivots(budget);
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
   share_chain_sums(t, L, tid);
@@ -1318,8 +1346,12 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
     return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
   });
+  return lo > tau ? lo : tau;
+}
 #else
+inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
+  const Pivots pv = chain_pivots(budget);
   double cs[KEY_DEPTH + 1];
   chain_sums_host(t, L, cs);
   const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, pv, [&](double x) {
@@ -1327,9 +1359,9 @@ KD_HD double chain_bound(const Threshold& t, int L, int keff, int budget, double
     for (int d = 0; d < L; ++d) n += count_children(t.lp + d * t.ld, keff, cs[d], x);
     return n;
   });
-#endif
   return lo > tau ? lo : tau;
 }
+#endif
 
 // Turns node i's key (write_key's) into that of its child of rank r: the digit of
 // depth(i) + 1 set.
@@ -1385,15 +1417,18 @@ inline double level_bound_host(const Threshold& t, const float* row, int keff, i
   });
 }
 
-KD_HD double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau, int lb, int le,
-                         int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
+__device__ inline double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau,
+                                     int lb, int le, int tid, int nthreads) {
   return level_bound_device(t, row, keff, budget, tau, lb, le, tid, nthreads);
+}
 #else
+inline double level_bound(const Threshold& t, const float* row, int keff, int budget, double tau, int lb, int le,
+                          int tid, int nthreads) {
   (void)tid; (void)nthreads;
   return level_bound_host(t, row, keff, budget, tau, lb, le);
-#endif
 }
+#endif
 
 // The next double above x (x finite, not the largest): order keys are consecutive.
 KD_HD double next_up(double x) { return from_order_key(order_key(x) + 1); }
@@ -1826,15 +1861,17 @@ inline int one_deviation_layout_host(const Threshold& t, int L, int keff, double
   return total;
 }
 
-KD_HD int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
 #ifdef __CUDA_ARCH__
+__device__ inline int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
   return keff >= ONE_DEV_DEAL_MIN ? one_deviation_layout_dealt(t, L, keff, tau, tid, nthreads)
                                  : one_deviation_layout_device(t, L, keff, tau, tid, nthreads);
+}
 #else
+inline int one_deviation_layout(const Threshold& t, int L, int keff, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
   return one_deviation_layout_host(t, L, keff, tau);
-#endif
 }
+#endif
 
 // The batch gate's answer for a request's start bound (tree_build.cu): none, only for a deep
 // tree (a batch where one request's raise sets the batch's time), or always.
