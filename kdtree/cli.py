@@ -218,10 +218,8 @@ def cmd_probe(args):
 
 
 def cmd_info(args):
-    from .harness.gpu import cuda_available
-    import torch
-    print(f"torch {torch.__version__}; CUDA device: "
-          f"{torch.cuda.get_device_name(0) if cuda_available() else 'none'}")
+    from .info import report
+    print("\n".join(report()))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -282,7 +280,7 @@ def parser() -> argparse.ArgumentParser:
     rm.add_argument("--results", default="results/reference")
     rm.add_argument("--check", action="store_true", help="fail if the block is out of date")
     rm.set_defaults(fn=cmd_readme)
-    i = sub.add_parser("info", help="what this machine has")
+    i = sub.add_parser("info", help="what this machine offers kdtree: the library, each GPU's code, SGLang")
     i.set_defaults(fn=cmd_info)
     return p
 

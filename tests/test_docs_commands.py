@@ -36,6 +36,7 @@ COVERED = {
         ("ci", "snakemake --cores 1 figures --config results_dir=results/reference"),
     "python -m kdtree readme": ("ci", "python -m kdtree readme --check"),
     "python -m kdtree config-doc": ("ci", "python -m kdtree config-doc --check"),
+    "python -m kdtree info": ("ci", "python -m kdtree info"),
     "snakemake ... --config key=value": ("pattern", "every --config in .ci/run and the dry-runs here"),
     "python -m kdtree check container ...": ("ci", "python -m kdtree check container containers/kdtree.def"),
     "snakemake --cores 32 all --resources gpu=8": ("dry", None),

@@ -519,3 +519,11 @@ def test_host_twin_script_compares_libraries(lib_path):
         budget, raising, raises, refused, cand = int(base[3]), int(base[4]), int(base[5]), int(base[7]), int(base[9])
         assert refused == 0 and raises >= raising and cand >= budget
         assert base[8] == "0"   # the two-CTA kernel's program (no --linear-raise) never lays out at once
+
+
+def test_info_loads_the_library_it_names(lib_path, monkeypatch):
+    """`python -m kdtree info` on a built library: it loads, with this package's C ABI."""
+    from kdtree import info, loader
+
+    monkeypatch.setenv("KDTREE_LIB", str(lib_path))
+    assert info.library_line() == f"library: {lib_path} (KDTREE_LIB, C ABI {loader.ABI_VERSION})"

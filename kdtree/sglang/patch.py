@@ -4,7 +4,8 @@
 ``build_ddtree_tree_from_topk``) after checking that the module, each function and its
 signature are what kdtree expects; it says what it replaced, and ``Patch.undo()`` (or
 ``unpatch()``) puts the originals back. Nothing is replaced unless everything checks out.
-``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``.
+``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``; ``check()``
+says what ``patch()`` would do without doing it.
 """
 from __future__ import annotations
 
@@ -67,15 +68,12 @@ def _resolve(module):
     return module
 
 
-def patch(module=None, verbose: bool = True) -> Patch:
-    """Replaces the worker module's functions with kdtree.sglang's; returns the Patch."""
-    from . import build_ddtree_tree_from_topk
-
+def check(module=None) -> tuple:
+    """What ``patch(module)`` would replace, without replacing it: ``(module, {name:
+    original})``; raises PatchError where patch() would refuse (``python -m kdtree info``
+    asks this)."""
     mod = _resolve(module)
     name = getattr(mod, "__name__", repr(mod))
-    if name in _ACTIVE:
-        raise PatchError(f"{name} is already patched by kdtree (undo() it first)")
-    ours = {"build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
     originals = {}
     for fn_name, params in FUNCTIONS.items():
         fn = getattr(mod, fn_name, None)
@@ -91,6 +89,19 @@ def patch(module=None, verbose: bool = True) -> Patch:
             raise PatchError(f"{name}.{fn_name}{tuple(got)}: expected parameters {params}; "
                              "this worker speaks another format, so nothing was replaced")
         originals[fn_name] = fn
+    return mod, originals
+
+
+def patch(module=None, verbose: bool = True) -> Patch:
+    """Replaces the worker module's functions with kdtree.sglang's; returns the Patch."""
+    from . import build_ddtree_tree_from_topk
+
+    mod = _resolve(module)
+    name = getattr(mod, "__name__", repr(mod))
+    if name in _ACTIVE:
+        raise PatchError(f"{name} is already patched by kdtree (undo() it first)")
+    ours = {"build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
+    _, originals = check(mod)
     for fn_name in originals:
         setattr(mod, fn_name, ours[fn_name])
     p = Patch(mod, originals)

@@ -1,0 +1,109 @@
+"""What this machine offers kdtree (``python -m kdtree info``): the library and where it comes
+from, each GPU with the code of the build it runs and whether that kind of GPU has been
+measured, and whether ``kdtree.sglang.patch()`` would find a DDTree worker to switch over.
+Read-only: nothing is built, launched or patched.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from . import build, loader
+
+# GPUs the reference set and the GPU tests ran on (results/reference, docs/kernels/README.md).
+MEASURED = ("H200",)
+
+
+def device_code(major: int, minor: int) -> tuple[str | None, str]:
+    """The code of a default build (build.DEFAULT_ARCHS) a device of this compute capability
+    runs, and its verify kernel; (None, why) where none runs. A cubin runs on later minor
+    versions of its major; the PTX fallback is compiled by the driver for anything from 9.0."""
+    if (major, minor) == (9, 0):
+        return "sm_90a", "the wgmma + TMA verify kernel"
+    if major == 12:
+        return "sm_120", "the mma.sync verify kernel"
+    if major >= 9:
+        return "compute_90 PTX, compiled by the driver on first launch", "the mma.sync verify kernel"
+    return None, f"compute capability {major}.{minor}: kdtree's kernels need 9.0 or newer"
+
+
+def library_line() -> str:
+    path = loader.library_path()
+    if os.environ.get("KDTREE_LIB"):
+        source = "KDTREE_LIB"
+    elif path == loader.PACKAGED_LIB:
+        source = "built at install"
+    else:
+        source = "JIT cache"
+    if path.exists():
+        try:
+            loader.load(path)
+        except (OSError, RuntimeError) as e:
+            return f"library: {path} ({source}) does not load: {e}"
+        return f"library: {path} ({source}, C ABI {loader.ABI_VERSION})"
+    if source == "KDTREE_LIB":
+        return f"library: KDTREE_LIB={path}: no such file (build it with `python -m kdtree build`)"
+    try:
+        nvcc = build.find_nvcc()
+        major, minor = build.nvcc_version(nvcc)
+    except RuntimeError as e:
+        return f"library: not built, and it cannot be built here: {e}"
+    return (f"library: not built yet; compiled on first use into {path.parent} with {nvcc} "
+            f"({major}.{minor}, about a minute)")
+
+
+def gpu_lines(devices) -> list[str]:
+    """devices: (name, (major, minor), SMs) a GPU, as torch reports them."""
+    if not devices:
+        return ["GPU: none visible (torch.cuda); the ops need one, the references do not"]
+    lines = []
+    for i, (name, (major, minor), sms) in enumerate(devices):
+        code, kernel = device_code(major, minor)
+        head = f"GPU {i}: {name}, compute capability {major}.{minor}, {sms} SMs"
+        if code is None:
+            lines.append(f"{head}: not supported ({kernel})")
+            continue
+        measured = any(m in name for m in MEASURED)
+        tested = ("measured and GPU-tested on this kind (results/reference)" if measured else
+                  "not run on this kind of GPU by kdtree: run the tests here before switching the kernels on")
+        lines.append(f"{head}: runs {code}, {kernel}; {tested}")
+    return lines
+
+
+def torch_devices() -> list:
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append((p.name, (p.major, p.minor), p.multi_processor_count))
+    return out
+
+
+def sglang_line() -> str:
+    try:
+        sglang = importlib.import_module("sglang")
+    except ImportError:
+        return "SGLang: not installed here (kdtree.sglang.patch() switches a DDTree worker over where it is)"
+    version = getattr(sglang, "__version__", "version unknown")
+    from .sglang.patch import PatchError, check
+
+    try:
+        mod, originals = check()
+    except PatchError as e:
+        return f"SGLang {version}: patch() would refuse: {e}"
+    names = ", ".join(f"{mod.__name__}.{n}" for n in originals)
+    return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"
+
+
+def report(devices=None) -> list[str]:
+    import torch
+
+    from . import __version__
+
+    py = ".".join(map(str, sys.version_info[:3]))
+    return [f"kdtree {__version__}, Python {py}, torch {torch.__version__}", library_line(),
+            *gpu_lines(torch_devices() if devices is None else devices), sglang_line()]

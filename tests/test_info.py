@@ -1,0 +1,70 @@
+"""`python -m kdtree info`: what each GPU runs, whether its kind was measured, where the library
+comes from and whether patch() would find a DDTree worker; read-only."""
+import sys
+import types
+
+import pytest
+
+from kdtree import info
+from kdtree.cli import main
+
+
+@pytest.mark.parametrize("cc, code", [((9, 0), "sm_90a"), ((12, 0), "sm_120"), ((12, 1), "sm_120"),
+                                      ((10, 0), "compute_90 PTX"), ((10, 3), "compute_90 PTX"), ((8, 9), None),
+                                      ((7, 0), None)])
+def test_device_code_follows_the_default_build(cc, code):
+    got, kernel = info.device_code(*cc)
+    if code is None:
+        assert got is None and "need 9.0 or newer" in kernel
+    else:
+        assert got.startswith(code)
+        assert ("wgmma" in kernel) == (cc == (9, 0))
+
+
+def test_gpu_lines_say_what_runs_and_what_was_measured():
+    lines = info.gpu_lines([("NVIDIA H200", (9, 0), 132),
+                            ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188),
+                            ("NVIDIA A100-SXM4-80GB", (8, 0), 108)])
+    assert lines[0].startswith("GPU 0: NVIDIA H200, compute capability 9.0, 132 SMs: runs sm_90a")
+    assert "measured and GPU-tested" in lines[0]
+    assert "runs sm_120, the mma.sync verify kernel" in lines[1] and "run the tests here" in lines[1]
+    assert "not supported" in lines[2] and "runs" not in lines[2]
+    assert info.gpu_lines([]) == ["GPU: none visible (torch.cuda); the ops need one, the references do not"]
+
+
+def test_library_line_names_a_missing_or_broken_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDTREE_LIB", str(tmp_path / "nothing.so"))
+    assert "no such file" in info.library_line()
+    junk = tmp_path / "junk.so"
+    junk.write_text("not a library")
+    monkeypatch.setenv("KDTREE_LIB", str(junk))
+    assert info.library_line().startswith(f"library: {junk} (KDTREE_LIB) does not load")
+
+
+def worker(sig="(top_log_probs, top_token_ids, budget)"):
+    m = types.ModuleType("sglang.srt.speculative.ddtree_utils")
+    ns = {}
+    exec(f"def build_ddtree_tree_from_topk{sig}:\n    return 'cpu path'\n", ns)
+    m.build_ddtree_tree_from_topk = ns["build_ddtree_tree_from_topk"]
+    return m
+
+
+def test_sglang_line_says_what_patch_would_do_and_does_not_do_it(monkeypatch):
+    assert info.sglang_line().startswith("SGLang: not installed here")   # none on CI
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.99"))
+    m = worker()
+    original = m.build_ddtree_tree_from_topk
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.ddtree_utils", m)
+    assert info.sglang_line() == ("SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace "
+                                  "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk")
+    assert m.build_ddtree_tree_from_topk is original   # nothing replaced
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.ddtree_utils", worker("(lp, ids, budget, temp)"))
+    line = info.sglang_line()
+    assert line.startswith("SGLang 0.5.99: patch() would refuse") and "expected parameters" in line
+
+
+def test_info_command_prints_the_report(capsys):
+    assert main(["info"]) in (None, 0)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("kdtree ") and out[1].startswith("library: ")
+    assert any(line.startswith("GPU") for line in out) and out[-1].startswith("SGLang")
