@@ -20,7 +20,7 @@ def device_code(major: int, minor: int) -> tuple[str | None, str]:
     runs, and its verify kernel; (None, why) where none runs. A cubin runs on later minor
     versions of its major; the PTX fallback is compiled by the driver for anything from 9.0."""
     if (major, minor) == (9, 0):
-        return "sm_90a", "the wgmma + TMA verify kernel"
+        return "sm_90a", "the wgmma verify kernel (mma.sync for a single row tile in a small launch)"
     if major == 12:
         return "sm_120", "the mma.sync verify kernel"
     if major >= 9:
