@@ -23,6 +23,7 @@ of the GPUs that may JIT it. Exits 0 only where every pair matches in PTX or mac
 import argparse
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,31 @@ def cubin_of(ptx: str, arch: str, tmp: pathlib.Path, side: str) -> bytes:
     return out.read_bytes()
 
 
+def text_sections(cubin: bytes) -> dict:
+    """A cubin's code, a function each: its ELF sections named .text.<mangled name>."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names = heads[shstrndx][4]
+    out = {}
+    for name, _, _, _, off, size in heads:
+        label = cubin[names + name:cubin.index(b"\0", names + name)].decode()
+        if label.startswith(".text."):
+            out[label[len(".text."):]] = cubin[off:off + size]
+    return out
+
+
+def code_differences(ours: bytes, base: bytes) -> str:
+    """Which functions' code differs, with their sizes in bytes (16 a Hopper or Blackwell
+    instruction)."""
+    a, b = text_sections(ours), text_sections(base)
+    parts = []
+    for fn in sorted(set(a) | set(b)):
+        if a.get(fn) != b.get(fn):
+            parts.append(f"{fn} ({len(b.get(fn, b''))} -> {len(a.get(fn, b''))} bytes)")
+    return "; ".join(parts) or "only outside the functions' code"
+
+
 def base_kernels(base: str, tmp: pathlib.Path) -> pathlib.Path:
     folder = pathlib.Path(base)
     if (folder / "kernels" / "src").is_dir():
@@ -120,9 +146,11 @@ def main(argv=None) -> int:
                     print(f"{rel} ({VIRTUAL[arch]}): same")
                     continue
                 if args.machine_code:
-                    same = cubin_of(ours, arch, pathlib.Path(tmp), "this") == cubin_of(base, arch, pathlib.Path(tmp), "base")
+                    mc = cubin_of(ours, arch, pathlib.Path(tmp), "this")
+                    mc_base = cubin_of(base, arch, pathlib.Path(tmp), "base")
+                    same = mc == mc_base
                     print(f"{rel} ({VIRTUAL[arch]}): PTX differs, machine code for {REAL[arch]} "
-                          f"{'the same' if same else 'differs'}")
+                          f"{'the same' if same else 'differs: ' + code_differences(mc, mc_base)}")
                     ptx_only += same
                     differ += not same
                 else:

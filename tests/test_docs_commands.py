@@ -373,7 +373,8 @@ TINY_PTX = """.version 8.0
 @pytest.mark.skipif(not _nvcc_found(), reason="needs nvcc (CI has it)")
 def test_ptx_same_machine_code_tells_a_register_count_from_an_instruction(tmp_path):
     """scripts/ptx_same.py --machine-code: two PTX texts that differ only in a register
-    count declared assemble to the same cubin; a changed constant does not."""
+    count declared assemble to the same cubin; a changed constant does not, and the
+    function whose code differs is named."""
     spec = importlib.util.spec_from_file_location("ptx_same", ROOT / "scripts" / "ptx_same.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -385,7 +386,9 @@ def test_ptx_same_machine_code_tells_a_register_count_from_an_instruction(tmp_pa
     base = cubin(3, 1, "base")
     assert base[:4] == b"\x7fELF"
     assert cubin(9, 1, "this") == base
-    assert cubin(3, 2, "this") != base
+    changed = cubin(3, 2, "this")
+    assert changed != base and list(mod.text_sections(base)) == ["tiny"]
+    assert mod.code_differences(changed, base).startswith("tiny (")
 
 
 def test_offline_peers_resolves_an_import_and_fetches_what_is_missing(tmp_path):
