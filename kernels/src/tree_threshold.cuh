@@ -22,8 +22,8 @@
 // Every function is called by all threads of the block with uniform control flow around
 // barriers; the host build runs the same code with one thread (barriers are no-ops). Where
 // the two differ, a device function and its host twin of the same name (or a dispatcher to
-// `_device` and `_host` twins); the device-only steps of threshold_select (warp 0's narrow
-// levels, the counting ranks) have no twin: the host takes the general path there.
+// `_device` and `_host` twins); the device's own schedules (warp 0's narrow levels, the
+// counting ranks) have host twins that do nothing, so the host takes the general path.
 #pragma once
 #include <string.h>
 
@@ -736,6 +736,26 @@ __device__ void narrow_levels(const Threshold& t, int L, int keff, double tau, i
   *lb = state[1];
   *le = state[2];
 }
+
+// A narrow level after a wide one (a deep tree past its widest level) goes back to warp 0,
+// as after a raise: a block level costs ~2k cycles of barriers and counters. Every thread
+// has read the last level's count after the barrier; then all three counters are zero, as
+// narrow_levels leaves them for the levels after it.
+template <bool WIDE>
+__device__ __forceinline__ void narrow_after_wide(const Threshold& t, int L, int keff, double tau, int* d, int* lb,
+                                                  int* le, int tid) {
+  if (*d < L && *le - *lb <= 32) {
+    __syncthreads();
+    clear_level_counters(t, tid);
+    narrow_levels<WIDE>(t, L, keff, tau, d, lb, le, tid);
+  }
+}
+#else
+// Host twins: the host takes every level by the block path, one thread.
+template <bool WIDE>
+inline void narrow_levels(const Threshold&, int, int, double, int*, int*, int*, int) {}
+template <bool WIDE>
+inline void narrow_after_wide(const Threshold&, int, int, double, int*, int*, int*, int) {}
 #endif
 
 // Node i's 256-bit path key (16-bit digits rank + 1, most significant first), by a walk up.
@@ -940,6 +960,24 @@ __device__ bool emit_by_rank(const Threshold& t, int m, int n, const Selection& 
       out.next_sibling[r + 1] = (int16_t)(t.pos[e + 1] + 1);
   }
   return __syncthreads_or(bad) == 0;
+}
+
+// The pops by ranks where the candidates allow (rank_count up to RANK_COUNT_MAX, else
+// bucket_rank unless a bin is too tied): true with *popped = n, or -1 where the certificate
+// fails; false leaves them to sort_items.
+__device__ __forceinline__ bool rank_and_emit(const Threshold& t, int m, int n, double tau, bool short_keys,
+                                              const Selection& out, int tid, int nthreads, int* popped) {
+  const bool ranked = m <= RANK_COUNT_MAX ? (rank_count(t, m, short_keys, tid, nthreads), true)
+                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, short_keys, tid, nthreads);
+  if (!ranked) return false;
+  KD_PROF(4);
+  *popped = emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
+  return true;
+}
+#else
+// Host twin: the host sorts every candidate set (sort_items' bitonic network).
+inline bool rank_and_emit(const Threshold&, int, int, double, bool, const Selection&, int, int, int*) {
+  return false;
 }
 #endif
 
@@ -1945,9 +1983,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
     KD_BARRIER();
     bool restart = false;
     int d = 0;
-#ifdef __CUDA_ARCH__
     narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
-#endif
     KD_PROF(23);
     for (; d < L;) {
       const float* row = t.lp + d * t.ld;
@@ -1974,11 +2010,9 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
           tie = false;  // budget nodes score >= nt > tie_tau
           le = compact(t, le, tau, &lb, tid, nthreads);
           KD_PROF(22);
-#ifdef __CUDA_ARCH__
           // The redone level and the ones after are often narrow again (a raise keeps
           // about `budget` nodes): warp 0 takes them without block barriers.
           if (le - lb <= 32) narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
-#endif
           continue;
         }
         if (!tie && !guess && ties_are_leaves(t, L)) {
@@ -2003,17 +2037,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       lb = le;
       le += total;
       ++d;
-#ifdef __CUDA_ARCH__
-      // A narrow level after a wide one (a deep tree past its widest level) goes back to
-      // warp 0, as after a raise: a block level costs ~2k cycles of barriers and counters.
-      // Every thread has read this level's count after the barrier; then all three
-      // counters are zero, as narrow_levels leaves them for the levels after it.
-      if (d < L && le - lb <= 32) {
-        KD_BARRIER();
-        clear_level_counters(t, tid);
-        narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
-      }
-#endif
+      narrow_after_wide<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
     }
     if (restart) continue;
     if (tie && le - 1 < budget) {  // tie_tau is the budget-th score
@@ -2047,14 +2071,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   }
   long_keys = block_any(long_keys);  // and the barrier before the ranks
   KD_PROF(3);
-#ifdef __CUDA_ARCH__
-  const bool ranked = m <= RANK_COUNT_MAX ? (rank_count(t, m, !long_keys, tid, nthreads), true)
-                                          : KD_BUCKET_SORT && bucket_rank(t, m, tau, !long_keys, tid, nthreads);
-  if (ranked) {
-    KD_PROF(4);
-    return emit_by_rank(t, m, n, out, tid, nthreads) ? n : -1;
-  }
-#endif
+  int popped;
+  if (rank_and_emit(t, m, n, tau, !long_keys, out, tid, nthreads, &popped)) return popped;
   sort_items(t, m, tid, nthreads);
   KD_PROF(4);
   // Pop index of every selected node; refuse if a sum was inexact or a parent is missing.
