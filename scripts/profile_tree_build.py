@@ -8,7 +8,7 @@ V 8192, its seeds). Needs a profile build of the library:
 A shape is batch:budget:K. A batch's device time is its slowest request's, so the request
 clocks (kd_build_profile_blocks) say which request to read; its phases come from a second
 launch that stamps that block (kd_build_profile_block). Stamps are clock64 at phase ends
-(kernels/src/tree_threshold.cuh, KD_PROF): a slot written more than once keeps its last
+(kernels/src/tree_views.cuh, KD_PROF): a slot written more than once keeps its last
 time; after an overflow, level_bound ends at 32 (lbound, written also where it did not run)
 and raise_tau at 21; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the
 start bound's end); 16 the start bound's setup and 17, 18 its rounds (each before the round's
@@ -27,7 +27,7 @@ from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 from tree_build_host_twin import load, select  # this folder's
 
-SLOTS = 33  # KD_PROF_SLOTS in kernels/src/tree_threshold.cuh
+SLOTS = 33  # KD_PROF_SLOTS in kernels/src/tree_views.cuh
 SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 32: "lbound", 21: "raised",
               22: "compacted", 2: "selected", 3: "rank_setup", 9: "ranked", 5: "popped", 6: "slots",
               7: "bits_setup", 8: "end", 19: "narrow10", 20: "narrow13",
