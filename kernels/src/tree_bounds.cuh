@@ -21,48 +21,8 @@ namespace kd {
 // is lowered by START_MARGIN |x| (2^-44, well above that for L <= 16) before it is used.
 // Rounds of START_PIVOTS pivots narrow [tau, lp[0][0]] 17-fold each. Device: warp w counts
 // pivot w (lanes over the (a, b) pairs, each lane's pairs in registers), one barrier a round.
-constexpr int START_PIVOTS = 16;
 constexpr int START_SLOTS = 5;  // pairs a lane holds: L (L + 1) / 2 <= 136 = 32 x 4.25
 constexpr double START_MARGIN = 1.0 / 17592186044416.0;  // 2^-44
-#ifndef KD_START_ROUNDS
-#define KD_START_ROUNDS 2  // a third round's searches cost more than the raises it saved
-#endif
-constexpr int START_ONE_ROUND_BUDGET = 16;  // up to this budget one round left no raise (sweep inputs)
-
-// Pivot rounds of the start and level bounds for `budget`: one round's bound is loose by a
-// 17th of the range, which small budgets absorb (budget 64 then raises: docs/kernels/tree_build.md,
-// session 26).
-KD_HD int start_rounds(int budget) { return budget <= START_ONE_ROUND_BUDGET ? 1 : KD_START_ROUNDS; }
-
-// How the pivots of a bound's rounds lie: `pivots` (<= 32) a round over [lo, hi], evenly,
-// or (`squared`) at the squares of the even fractions, dense near lo: the budget-th score
-// of the chain's nodes lies in the lowest quarter of [tau, lp[0][0]] for 90% of the sweep's
-// requests (both drafters, budgets 64-256: session 28), so there one round of squared
-// pivots comes close to what two even rounds reach.
-// `step` is 1 / (count + 1), made by make_pivots from the constant counts its callers
-// pass: no division on the latency-bound start path.
-struct Pivots {
-  int count, rounds;
-  bool squared;
-  double step;
-};
-KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
-  return Pivots{count, rounds, squared, 1.0 / (count + 1)};
-}
-KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
-// Past START_ONE_ROUND_BUDGET and up to this budget the chain bound, and the one-deviation
-// bound at small batches, take one round of squared pivots (dev_pivots, chain_pivots).
-constexpr int SQUARED_ROUND_BUDGET = 64;
-
-// The one-deviation bound's pivots: one squared round at batches up to DEV_ONE_ROUND_MAX_BATCH
-// (one ~3.5k-cycle round less, up to ~40% more candidates: a batch's time is its slowest
-// request's, so from batch 64 the candidates' tail costs more than the round).
-constexpr int DEV_ONE_ROUND_MAX_BATCH = 16;
-KD_HD Pivots dev_pivots(int budget, int batch) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= SQUARED_ROUND_BUDGET && batch <= DEV_ONE_ROUND_MAX_BATCH
-             ? make_pivots(START_PIVOTS, 1, true)
-             : even_pivots(budget);
-}
 
 // Pivot k (1 .. pv.count) of [lo, hi], rounded the same wherever it is computed (no
 // contraction): chain_bound returns exactly a pivot that was counted.
@@ -273,19 +233,11 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 }
 #endif
 
+
+
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
-// budget (no raises at the sweep's shapes), so it serves there. Past START_ONE_ROUND_BUDGET
-// and up to SQUARED_ROUND_BUDGET one round of 32 squared pivots at any batch (a round costs
-// its latency, ~1.3k cycles at 16 or 32 pivots), the node buffer made 4x the budget for the
-// looser tau (see ts_capacity); elsewhere the even pivots (budget 16: one round of 16 was
-// 2-4% faster than 32 squared ones at batch 16-256).
-KD_HD Pivots chain_pivots(int budget) {
-  return budget > START_ONE_ROUND_BUDGET && budget <= SQUARED_ROUND_BUDGET ? make_pivots(32, 1, true)
-                                                                          : even_pivots(budget);
-}
-
-
+// budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.
 #ifdef __CUDA_ARCH__
 __device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                      int nthreads) {
@@ -323,16 +275,9 @@ inline double chain_bound(const Threshold& t, int L, int keff, int budget, doubl
 // children, up to the buffer's end), and its budget-th best crept up one distinct score a
 // raise on coarse rows (docs/kernels/tree_build.md, session 21); the full level's count
 // lands within a raise or two. Exact sums, so the pivot is a lower bound as it stands.
-// Only where the level has at most LEVEL_RAISE_MAX parents (a warp's searches a pivot)
-// and holds more than LEVEL_RAISE_OVER times the room: a level that nearly fits is nearly
-// all materialised, and raise_tau's pick from it is as high for less.
+// Where it runs: LEVEL_RAISE_MAX and LEVEL_RAISE_OVER (tree_heuristics.cuh).
 // Device: each parent's searches stay within its count at tau, which materialise_level
 // leaves in t.pos (most parents of an overflowing level have a few children, many none).
-#ifndef KD_LEVEL_RAISE
-#define KD_LEVEL_RAISE 1
-#endif
-constexpr int LEVEL_RAISE_MAX = 512, LEVEL_RAISE_OVER = 2;
-
 #ifdef __CUDA_ARCH__
 __device__ double level_bound_device(const Threshold& t, const float* row, int keff, int budget, double tau,
                                      int lb, int le, int tid, int nthreads) {

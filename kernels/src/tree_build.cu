@@ -187,20 +187,8 @@ build_trees_kernel(const float* __restrict__ top_lp, const int64_t* __restrict__
   if (tid == 0) s_nodes[0] = pack_node(0, 0, 0);
   __syncthreads();
   int n = -1;
-  // A tighter first tau (threshold_select: deviation_bound where K < budget, chain_bound
-  // otherwise) where the plain start lies far below the budget-th score (K < budget: it is
-  // then a sum of each depth's K-th log-prob) or some request of the batch would likely
-  // raise tau: from batch 64, from batch 16 at budget >= 64, from batch 4 at budget 1024
-  // (docs/kernels/tree_build.md, v3e, v3f and session 21).
   const int batch = gridDim.x;
-#ifndef KD_CHAIN_GATE
-#define KD_CHAIN_GATE 1  // A/B builds: 0 never, 2 always
-#endif
-  const bool chain_start = KD_CHAIN_GATE == 2 ||
-                           (KD_CHAIN_GATE == 1 && (keff < budget || batch >= 64 || (batch >= 16 && budget >= 64) ||
-                                                   (batch >= 4 && budget >= 1024)));
-  // From batch 16 a deep tree's raise would set the batch's time at any budget.
-  const int start = chain_start ? START_ALWAYS : KD_CHAIN_GATE == 1 && batch >= 16 ? START_DEEP : START_NONE;
+  const int start = start_bound(batch, budget, keff);  // the batch gate (tree_heuristics.cuh)
   if (threshold && !uncertified)
     n = threshold_select<WIDE>(ts, L, K, budget, sel, tid, blockDim.x, nullptr, start);
   if (n < 0) {  // the warp loop: exact for any input
@@ -366,11 +354,9 @@ int build_facts(BuildFacts** out) {
   return 0;
 }
 
-// The wide kernel (one CTA an SM, no spills) wherever the two-CTA kernel could not hold two
-// an SM: the batch fits the SMs (every request has one to itself), or a CTA's shared memory
-// is more than half an SM's. Elsewhere two CTAs an SM run the batch in half the waves.
+// The kernel a batch takes (kd::takes_wide_kernel, tree_heuristics.cuh) on this device.
 bool wide_kernel(const BuildFacts& f, int B, size_t smem) {
-  return B <= f.sms || 2 * (smem + f.cta_fixed) > f.smem_sm;
+  return kd::takes_wide_kernel(B, f.sms, smem + f.cta_fixed, f.smem_sm);
 }
 
 // The shapes a build takes: the plan and the launch check them alike, before any device query.

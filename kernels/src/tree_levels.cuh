@@ -99,11 +99,6 @@ inline int materialise_level(const Threshold& t, const float* row, int keff, int
 #endif
 
 #ifdef __CUDA_ARCH__
-constexpr int NARROW_BALLOT_STEPS = 4;  // ballot steps (small rows, grouped ranks) or parents (wider) a narrow level may take
-#ifndef KD_NARROW_LEAD_MAX
-#define KD_NARROW_LEAD_MAX 2
-#endif
-constexpr int NARROW_LEAD_MAX = KD_NARROW_LEAD_MAX;  // parents of 16 children or more a grouped narrow level takes first (lead parents)
 
 // One ballot step of a narrow level: the lanes whose child (parent p, rank r, score sc =
 // sp + x) is in take the next slots after `total` in lane order (parents in order, ranks

@@ -6,15 +6,6 @@
 
 namespace kd {
 
-#ifndef KD_DEEP_GATE
-#define KD_DEEP_GATE 1  // A/B builds: 0, a deep tree takes the start bound the batch gate gives any tree
-#endif
-constexpr int DEEP_CHAIN = 8;      // the chain depth that marks a deep tree
-constexpr int DEEP_KEFF_MIN = 32;  // narrower rows: the chain bound leaves no raise to save
-#ifndef KD_DEEP_KEFF_MAX
-#define KD_DEEP_KEFF_MAX 256  // A/B builds: other widths (64 before the one-deviation layout)
-#endif
-constexpr int DEEP_KEFF_MAX = KD_DEEP_KEFF_MAX;  // the widest rows whose deep trees skip the chain bound
 
 // Whether node 0^DEEP_CHAIN (L >= DEEP_CHAIN) scores about tau or above: a float sum, as it
 // only picks a bound and sits on every request's path (the heap's double sums cost more).
@@ -24,20 +15,8 @@ KD_HD bool deep_chain(const Threshold& t, double tau) {
   return (double)c >= tau;
 }
 
-#ifndef KD_ONE_DEV_LAYOUT
-#define KD_ONE_DEV_LAYOUT 1  // A/B builds: 0 never
-#endif
 constexpr int ONE_DEV_SCRATCH = 64;  // scratch ints past block_exclusive_scan's and the pivot counts
 
-#ifndef KD_ONE_DEV_KEYS
-#define KD_ONE_DEV_KEYS 1  // A/B builds: 0 walks up for every key, laid out or not
-#endif
-#ifndef KD_ONE_DEV_DEAL_MIN
-#define KD_ONE_DEV_DEAL_MIN 128  // A/B builds: 1 deals at every width, 1 << 30 never
-#endif
-// The narrowest rows whose layout deals the deviations over all threads; narrower rows give
-// a warp few enough that one warp a depth costs less than the block scan.
-constexpr int ONE_DEV_DEAL_MIN = KD_ONE_DEV_DEAL_MIN;
 
 // A laid-out node's deviation as a tag: (a << 16) | r for a node on 0^a r's line, 0 on the
 // chain. Tags sit past the layout's doubles over the sort items (free until the sort).

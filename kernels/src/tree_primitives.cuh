@@ -4,7 +4,7 @@
 #pragma once
 #include <string.h>
 
-#include "tree_views.cuh"
+#include "tree_heuristics.cuh"
 
 namespace kd {
 

@@ -105,9 +105,6 @@ __device__ __forceinline__ int count_before(const Threshold& t, int q0, int q1, 
   return better;
 }
 
-// rank_count's m^2 compares up to this many candidates; above, bucket_rank's m x (mean bin)
-// cost less (docs/kernels/tree_build.md, session 52).
-constexpr int RANK_COUNT_MAX = 128;
 
 // The place of node e + 1 among nodes 1 .. m, best first, into t.pos[e] (which the caller
 // zeroes), for m <= RANK_COUNT_MAX: the number of nodes better than it, counted against
@@ -140,13 +137,6 @@ __device__ void rank_count(const Threshold& t, int m, bool short_keys, int tid, 
 // branch-free compare). Work is m times the mean bin size (~15 on sweep inputs; bins of
 // exact ties hold a few hundred), not the merge sort's log^2 m dependent rounds. Scratch
 // over t.items (dead until the host-style emit): start and fill [nb = cap], members [m].
-#ifndef KD_BUCKET_MAX
-#define KD_BUCKET_MAX 128
-#endif
-#ifndef KD_BUCKET_SORT
-#define KD_BUCKET_SORT 1  // A/B builds: 0 merge-sorts every candidate set past RANK_COUNT_MAX
-#endif
-constexpr int BUCKET_MAX = KD_BUCKET_MAX;
 
 __device__ bool bucket_rank(const Threshold& t, int m, double tau, bool short_keys, int tid, int nthreads) {
   const int nb = t.cap;

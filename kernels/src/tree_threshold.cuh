@@ -20,8 +20,9 @@
 //     host: a bitonic network), keep `budget`.
 // A refusal returns -1 and the caller runs the heap-exact warp loop (tree_select.cuh).
 // Its parts, a concern a file, each including the one before: tree_views.cuh (state),
-// tree_primitives.cuh, tree_raise.cuh (2), tree_levels.cuh (1), tree_rank.cuh (3),
-// tree_bounds.cuh (first tau), tree_ties.cuh, tree_one_dev.cuh (the deep-tree layout).
+// tree_heuristics.cuh (every dispatch rule of the build, one table), tree_primitives.cuh,
+// tree_raise.cuh (2), tree_levels.cuh (1), tree_rank.cuh (3), tree_bounds.cuh (first tau),
+// tree_ties.cuh, tree_one_dev.cuh (the deep-tree layout).
 // Every function is called by all threads of the block with uniform control flow around
 // barriers; the host build runs the same code with one thread (barriers are no-ops). Where
 // the two differ, a device function and its host twin of the same name (or a dispatcher to
@@ -33,9 +34,6 @@
 
 namespace kd {
 
-// The batch gate's answer for a request's start bound (tree_build.cu): none, only for a deep
-// tree (a batch where one request's raise sets the batch's time), or always.
-enum StartBound { START_NONE = 0, START_DEEP = 1, START_ALWAYS = 2 };
 
 // One request's selection over staged, certified rows (L <= KEY_DEPTH); start (StartBound):
 // raise the first tau by deviation_bound (K < budget) or chain_bound. Writes the pops to

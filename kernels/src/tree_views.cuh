@@ -1,6 +1,6 @@
 // The threshold selection's state (tree_threshold.cuh): one request's node buffer, sort
 // items and scratch carved out of the CTA's shared memory, the nodes' packed meta, the node
-// buffer's size rule, and the barrier and profile macros the selection's parts share.
+// buffer's limits, and the barrier and profile macros the selection's parts share.
 #pragma once
 
 #include "tree_select.cuh"
@@ -30,7 +30,6 @@ __device__ long long g_block_cycles[KD_PROF_BLOCKS];  // per request: tree_build
 
 constexpr int TS_MAX_NODES = 4096;   // node buffer; parent index in 12 bits
 constexpr int TS_MIN_NODES = 64;
-constexpr int TS_MAX_RAISES = 16;    // then refuse: ties that no threshold separates
 constexpr int TS_BINS = 256;         // radix digit of 8 bits
 constexpr int TS_COUNTERS = TS_BINS + 16;  // three rotating level counters
 constexpr int TS_NARROW = TS_COUNTERS + 8;  // where warp 0's narrow levels ended (3 ints)
@@ -94,20 +93,6 @@ KD_HD Threshold ts_views(unsigned char* base, int L, int ld, int cap) {
   t.ld = ts_stride(ld);
   t.cap = cap;
   return t;
-}
-
-
-// Node buffer size for a budget: twice the next power of two (the sort pads to one), four
-// times from batches of 16 (`batched`) up to WIDE_BUFFER_BUDGET: there ranking up to 4x the
-// budget costs less than the raise an overflow takes; at budget 256 the larger candidate
-// sets cost more than that at batch 256 (docs/kernels/tree_build.md). At budgets <= 16 both
-// give the TS_MIN_NODES minimum.
-constexpr int WIDE_BUFFER_BUDGET = 128;
-KD_HD int ts_capacity(int budget, bool batched) {
-  const int mult = batched && budget <= WIDE_BUFFER_BUDGET ? 4 : 2;
-  int c = TS_MIN_NODES;
-  while (c < mult * budget && c < TS_MAX_NODES) c <<= 1;
-  return c;
 }
 
 }  // namespace kd
