@@ -89,7 +89,13 @@ def sglang_line() -> str:
     except ImportError:
         return "SGLang: not installed here (kdtree.sglang.patch() switches a DDTree worker over where it is)"
     version = getattr(sglang, "__version__", "version unknown")
-    from .sglang.patch import PatchError, check
+    # kdtree.sglang patches on import under KDTREE_SGLANG=1; info only asks.
+    flag = os.environ.pop("KDTREE_SGLANG", None)
+    try:
+        from .sglang.patch import PatchError, check
+    finally:
+        if flag is not None:
+            os.environ["KDTREE_SGLANG"] = flag
 
     try:
         mod, originals = check()

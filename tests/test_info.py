@@ -68,3 +68,26 @@ def test_info_command_prints_the_report(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("kdtree ") and out[1].startswith("library: ")
     assert any(line.startswith("GPU") for line in out) and out[-1].startswith("SGLang")
+
+
+def test_info_under_kdtree_sglang_1_only_asks(tmp_path):
+    """With KDTREE_SGLANG=1 in the environment, `kdtree info` imports kdtree.sglang without
+    letting it patch the worker: it says what patch() would replace and replaces nothing."""
+    import os
+    import subprocess
+
+    pkg = tmp_path / "sglang" / "srt" / "speculative"
+    pkg.mkdir(parents=True)
+    (tmp_path / "sglang" / "__init__.py").write_text("__version__ = '0.5.99'\n")
+    (tmp_path / "sglang" / "srt" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ddtree_utils.py").write_text("def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget):\n"
+                                         "    return 'cpu path'\n")
+    env = dict(os.environ, KDTREE_SGLANG="1", PYTHONPATH=os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    r = subprocess.run([sys.executable, "-m", "kdtree", "info"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace " \
+           "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk" in r.stdout
+    assert "replaced" not in r.stderr
