@@ -92,13 +92,13 @@ def sglang_line() -> str:
     # kdtree.sglang patches on import under KDTREE_SGLANG=1; info only asks.
     flag = os.environ.pop("KDTREE_SGLANG", None)
     try:
-        from .sglang.patch import PatchError, check
+        from .sglang.patch import PatchError, check_patch
     finally:
         if flag is not None:
             os.environ["KDTREE_SGLANG"] = flag
 
     try:
-        mod, originals = check()
+        mod, originals = check_patch()
     except PatchError as e:
         return f"SGLang {version}: patch() would refuse: {e}"
     names = ", ".join(f"{mod.__name__}.{n}" for n in originals)

@@ -13,7 +13,7 @@
   ``req_pool_indices``, q and out in ``[bs * q, H, ...]``; ``prepare`` once a forward,
   ``run`` for each layer.
 - ``patch()``: switch a running worker module over (``KDTREE_SGLANG=1`` does it on import),
-  undoable; ``check()`` says what it would replace; see kdtree.sglang.patch.
+  undoable; ``check_patch()`` says what it would replace; see kdtree.sglang.patch.
 
 Lengths, budgets and indices are taken as int32 or int64 and read in that dtype (a
 conversion would be one more launch in the captured round).
@@ -23,10 +23,10 @@ from __future__ import annotations
 from . import reference
 from .attention import VerifyAttention
 from .builder import build_ddtree_tree_from_topk
-from .patch import Patch, PatchError, check, patch, patch_from_env, unpatch
+from .patch import Patch, PatchError, check_patch, patch, patch_from_env, unpatch
 from .round import AcceptOutput, RoundBuilder, VerifyLayout, accept, custom_mask, mask_size
 
 __all__ = ["Patch", "PatchError", "RoundBuilder", "VerifyAttention", "VerifyLayout", "AcceptOutput", "accept",
-           "build_ddtree_tree_from_topk", "check", "custom_mask", "mask_size", "patch", "reference", "unpatch"]
+           "build_ddtree_tree_from_topk", "check_patch", "custom_mask", "mask_size", "patch", "reference", "unpatch"]
 
 patch_from_env()

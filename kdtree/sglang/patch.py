@@ -4,7 +4,7 @@
 ``build_ddtree_tree_from_topk``) after checking that the module, each function and its
 signature are what kdtree expects; it says what it replaced, and ``Patch.undo()`` (or
 ``unpatch()``) puts the originals back. Nothing is replaced unless everything checks out.
-``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``; ``check()``
+``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``; ``check_patch()``
 says what ``patch()`` would do without doing it.
 """
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _resolve(module):
     return module
 
 
-def check(module=None) -> tuple:
+def check_patch(module=None) -> tuple:
     """What ``patch(module)`` would replace, without replacing it: ``(module, {name:
     original})``; raises PatchError where patch() would refuse (``python -m kdtree info``
     asks this)."""
@@ -101,7 +101,7 @@ def patch(module=None, verbose: bool = True) -> Patch:
     if name in _ACTIVE:
         raise PatchError(f"{name} is already patched by kdtree (undo() it first)")
     ours = {"build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
-    _, originals = check(mod)
+    _, originals = check_patch(mod)
     for fn_name in originals:
         setattr(mod, fn_name, ours[fn_name])
     p = Patch(mod, originals)
