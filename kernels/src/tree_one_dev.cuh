@@ -96,6 +96,16 @@ __device__ __forceinline__ void one_dev_write_line(const Threshold& t, const dou
   });
 }
 
+// The root and the chain's nodes, a thread each: node 0^(a + 1), 0^a's first child.
+__device__ __forceinline__ void one_dev_store_chain(const Threshold& t, int L, const int* cnt, const int* first,
+                                                    const double* cs, const double* x0, int tid) {
+  if (tid == 0) store_root(t);
+  if (tid < L && cnt[tid] > 0) {
+    store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
+    one_dev_tag(t, first[tid], 0, 0);
+  }
+}
+
 // Warp 0 of a layout, lane a for depth a: chain(a), the count of 0^a's children >= tau and the
 // buffer index of the first (the chain nodes' children laid out by one warp scan), the row's
 // first two log-probs as doubles, all the chain nodes' children, and for the dealt layout the
@@ -159,11 +169,7 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   const int total = 1 + chain_kids + __shfl_sync(FULL_MASK, incl, 31);
   if (total > t.cap) return -1;
   int at = 1 + chain_kids + __shfl_sync(FULL_MASK, incl - ln, a & 31);  // warp a's first line node
-  if (tid == 0) store_root(t);
-  if (tid < L && cnt[tid] > 0) {  // chain node 0^(tid + 1), 0^tid's first child
-    store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
-    one_dev_tag(t, first[tid], 0, 0);
-  }
+  one_dev_store_chain(t, L, cnt, first, cs, x0, tid);
   for (int r0 = 1; r0 < n; r0 += 32) {
     const int r = r0 + lane;
     const int below = r0 == 1 ? below_first : r < n ? walk(r, [](int, double, double, double) {}) : 0;
@@ -209,11 +215,7 @@ __device__ int one_deviation_layout_dealt(const Threshold& t, int L, int keff, d
   if (__syncthreads_or(two)) return -1;
   const int total = 1 + chain_kids + block_exclusive_scan(t.pos, patterns, t.scratch, tid, nthreads);
   if (total > t.cap) return -1;
-  if (tid == 0) store_root(t);
-  if (tid < L && cnt[tid] > 0) {
-    store_child(t, tid, tid == 0 ? 0 : first[tid - 1], 0, first[tid], cs[tid], x0[tid], cs[tid + 1]);
-    one_dev_tag(t, first[tid], 0, 0);
-  }
+  one_dev_store_chain(t, L, cnt, first, cs, x0, tid);
   for (int p = tid; p < patterns; p += nthreads) {
     const int a = depth_of(p), r = p - devs[a] + 1;
     const int i = 1 + chain_kids + t.pos[p], parent = first[a] + r;
