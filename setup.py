@@ -1,7 +1,8 @@
 """Packaging with the CUDA kernels: their sources travel in the package (kdtree/_kernels),
 and where nvcc is present the library is compiled at install time (kdtree/_lib), so an
 installed kdtree never reads a checkout. Without nvcc (or with KDTREE_BUILD_KERNELS=0) the
-library is compiled on first use into the per-user cache instead (kdtree/loader.py)."""
+library is compiled on first use into the per-user cache instead (kdtree/loader.py).
+A wheel built where nvcc is (`pip wheel --no-deps .`) carries the library to nodes without it."""
 import importlib.util
 import os
 import pathlib
@@ -9,6 +10,7 @@ import shutil
 import sys
 
 from setuptools import Distribution, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).resolve().parent
@@ -18,6 +20,9 @@ class BuildPy(build_py):
     def run(self):
         super().run()
         pkg = pathlib.Path(self.build_lib) / "kdtree"
+        # build/ outlives a build: a library left there by the last one must not ship with
+        # these sources (same C ABI, older kernels), so only this run's build puts one back.
+        shutil.rmtree(pkg / "_lib", ignore_errors=True)
         shutil.rmtree(pkg / "_kernels", ignore_errors=True)
         shutil.copytree(ROOT / "kernels", pkg / "_kernels", ignore=shutil.ignore_patterns("*.md"))
         # The config schema: `kdtree sweep --cfg-json` checks against it (kdtree/harness/config.py).
@@ -45,4 +50,12 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildPy}, distclass=BinaryDistribution)
+class BdistWheel(bdist_wheel):
+    """Tagged py3-none-<platform>: libkdtree links neither Python nor torch (a C ABI loaded by
+    ctypes, cudart static), so one wheel serves every CPython >= 3.11 and torch >= 2.11."""
+
+    def get_tag(self):
+        return "py3", "none", super().get_tag()[2]
+
+
+setup(cmdclass={"build_py": BuildPy, "bdist_wheel": BdistWheel}, distclass=BinaryDistribution)

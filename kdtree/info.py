@@ -33,7 +33,7 @@ def library_line() -> str:
     if os.environ.get("KDTREE_LIB"):
         source = "KDTREE_LIB"
     elif path == loader.PACKAGED_LIB:
-        source = "built at install"
+        source = "built with the package"
     else:
         source = "JIT cache"
     if path.exists():

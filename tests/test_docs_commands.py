@@ -29,6 +29,8 @@ COVERED = {
         ("ci", "snakemake --cores 2 all\n"),
     ".venv/bin/python -P -m pytest -q tests": ("ci", ".venv/bin/python -P -m pytest -q tests"),
     "pip install .": ("ci", "pip install -q -c constraints.txt '.[test]'"),
+    "pip wheel --no-deps .": ("ci", "pip wheel -q --no-deps -w"),
+    "pip wheel --no-deps kdtree-checkout/": ("ci", "pip wheel -q --no-deps -w"),
     "pip install -c constraints.txt '.[workflow]'": ("ci", "pip install -q -c constraints.txt '.[test]'"),
     "pip install kdtree-checkout/": ("ci", "pip install -q -c constraints.txt '.[test]'"),
     "snakemake --cores 8 all": ("dry", None),
