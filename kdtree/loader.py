@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 9  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 10  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
@@ -45,9 +45,11 @@ class KdVerifyPlan(ctypes.Structure):
         "kernel", "copy", "rows_per_cta", "keys_per_tile", "num_splits", "merge", "small_launch", "combine")]
 
 
-# name -> (argtypes); every entry returns int. The one place the Python side states the ABI.
+# name -> (argtypes); every entry returns int but those in _RESTYPE. The one place the Python
+# side states the ABI.
 _ABI = {
     "kd_version": [],
+    "kd_error_string": [_I],
     "kd_build_trees": [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P],
     "kd_build_plan_make": [_I] * 5 + [ctypes.POINTER(KdBuildPlan)],
     "kd_build_set_smem_limit": [_I],
@@ -60,6 +62,7 @@ _ABI = {
     "kd_sglang_round_layout": [_P] * 8 + [_I] * 3 + [_P] * 5 + [_P],
     "kd_sglang_accept_outputs": [_P] * 4 + [_I] * 2 + [_P] * 3 + [_P],
 }
+_RESTYPE = {"kd_error_string": ctypes.c_char_p}
 
 
 def cache_dir() -> pathlib.Path:
@@ -126,7 +129,10 @@ def load(path) -> ctypes.CDLL:
         raise RuntimeError(f"{path}: a stale libkdtree (C ABI {version}; this kdtree needs {ABI_VERSION}): "
                            "rebuild it with `python -m kdtree build` or reinstall kdtree")
     for name, argtypes in _ABI.items():
-        f = getattr(so, name)
+        f = getattr(so, name, None)
+        if f is None:
+            raise RuntimeError(f"{path}: C ABI {version} but no {name}: a library built from other sources; "
+                               "rebuild it with `python -m kdtree build` or reinstall kdtree")
         f.argtypes = argtypes
-        f.restype = _I
+        f.restype = _RESTYPE.get(name, _I)
     return so

@@ -83,11 +83,20 @@ def _stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# Launch errors a user can act on (cudaError_t values): what to do about each.
+_NO_CODE = "this library holds no code this GPU runs (`python -m kdtree info` says what each GPU runs)"
+_OLD_DRIVER = "the driver is older than the library's CUDA 13 (kdtree needs driver >= 580)"
+_LAUNCH_HINTS = {35: _OLD_DRIVER, 36: _OLD_DRIVER, 98: _NO_CODE, 209: _NO_CODE, 222: _OLD_DRIVER}
+
+
 def _check(rc: int, what: str) -> None:
+    if rc == 0:
+        return
     if rc == 1001:
         raise InputError(f"{what}: a size is outside what the kernel supports")
-    if rc != 0:
-        raise RuntimeError(f"{what}: CUDA error {rc} at launch")
+    said = lib().kd_error_string(rc).decode(errors="replace")
+    hint = _LAUNCH_HINTS.get(rc)
+    raise RuntimeError(f"{what}: CUDA error {rc} at launch ({said})" + (f": {hint}" if hint else ""))
 
 
 def _tensor(name, t, dtype, shape, device=None):

@@ -78,7 +78,8 @@ def test_library_exports_the_c_abi(lib, lib_path):
     from kdtree import loader
 
     for name in ("kd_build_trees", "kd_tree_accept", "kd_tree_accept_parents", "kd_verify_plan_make",
-                 "kd_verify_run", "kd_version", "kd_select_nodes_host", "kd_select_threshold_host"):
+                 "kd_verify_run", "kd_version", "kd_error_string", "kd_select_nodes_host",
+                 "kd_select_threshold_host"):
         assert hasattr(lib, name)
     # No process-global kernel switch any more: a plan carries its path.
     for gone in ("kd_verify_set_path", "kd_verify_attention", "kd_verify_tile"):
@@ -95,6 +96,40 @@ def test_loader_refuses_a_stale_library(tmp_path):
     so = tmp_path / "libold.so"
     subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
     with pytest.raises(RuntimeError, match=r"libold.so: a stale libkdtree \(C ABI 3; this kdtree needs"):
+        loader.load(so)
+
+
+def test_launch_errors_say_what_happened_and_what_to_do(lib_path, monkeypatch):
+    """A CUDA error from an entry point reaches the caller as CUDA's sentence (read off the
+    library, no GPU needed) and, where one helps, what to do; a bad size stays InputError."""
+    from kdtree import loader, ops
+
+    so = loader.load(lib_path)
+    assert so.kd_error_string(0) == b"no error"
+    assert b"no kernel image" in so.kd_error_string(209)
+    assert so.kd_error_string(1001) == b"a size or pointer is outside what the kernel supports"
+    assert so.kd_error_string(987654) == b"unrecognized error code"
+    monkeypatch.setattr(ops, "lib", lambda: so)
+    ops._check(0, "tree_build")   # launched: nothing raised
+    with pytest.raises(RuntimeError, match=r"^tree_verify: CUDA error 209 at launch \(no kernel image[^)]*\): "
+                                           r"this library holds no code this GPU runs \(`python -m kdtree info`"):
+        ops._check(209, "tree_verify")
+    with pytest.raises(RuntimeError, match=r"^tree_build: CUDA error 35 at launch \(.*driver.*\): .*driver >= 580"):
+        ops._check(35, "tree_build")
+    with pytest.raises(RuntimeError, match=r"^accept: CUDA error 2 at launch \(out of memory\)$"):
+        ops._check(2, "accept")
+    with pytest.raises(InputError, match="tree_accept: a size is outside"):
+        ops._check(1001, "tree_accept")
+
+
+def test_loader_refuses_a_library_lacking_a_declared_entry_point(tmp_path):
+    from kdtree import loader
+
+    src = tmp_path / "partial.c"
+    src.write_text(f"int kd_version(void) {{ return {loader.ABI_VERSION}; }}\n")
+    so = tmp_path / "libpartial.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    with pytest.raises(RuntimeError, match=r"libpartial.so: C ABI \d+ but no kd_error_string: a library built from other"):
         loader.load(so)
 
 

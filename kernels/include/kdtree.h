@@ -21,8 +21,11 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 9
+#define KD_ABI_VERSION 10
 int kd_version(void);
+// A sentence for a code an entry point returned: CUDA's for a cudaError_t, kdtree's for a
+// KD_ERR_* code; never NULL, and callable without a GPU.
+const char* kd_error_string(int code);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
 // top_lp f32 [B, L, K], top_ids i64 [B, L, K], budgets i32 [B], prefix_lens i32 [B] (may be

@@ -430,8 +430,6 @@ extern "C" int kd_build_trees(const float* top_lp, const int64_t* top_ids, const
   return 0;
 }
 
-extern "C" int kd_version(void) { return KD_ABI_VERSION; }
-
 // Caps the build's dynamic shared memory (0: the device's own limit), so that a large GPU
 // runs the code paths of a smaller one (RTX PRO 6000: 99 KB a block); returns the old cap.
 extern "C" int kd_build_set_smem_limit(int bytes) {
