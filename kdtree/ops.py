@@ -83,6 +83,29 @@ def _stream(device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# The current device by torch's own accessors (a CUDA build's; torch.cuda's wrappers otherwise).
+_get_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_set_device = getattr(torch._C, "_cuda_setDevice", torch.cuda.set_device)
+
+
+def _launch(what: str, dev: torch.device, entry: str, *args) -> None:
+    """Calls the library's ``entry`` with ``args`` and ``dev``'s current stream, on ``dev``.
+
+    The library launches on the current device and reads that device's limits, while a torch
+    op follows its tensors: so ``dev`` is made current for the call and the caller's device
+    restored after (two C calls where they already agree). Raises on a failed launch."""
+    idx = dev.index
+    prev = _get_device()
+    if prev != idx:
+        _set_device(idx)
+    try:
+        rc = getattr(lib(), entry)(*args, _stream(dev))
+    finally:
+        if prev != idx:
+            _set_device(prev)
+    _check(rc, what)
+
+
 # Launch errors a user can act on (cudaError_t values): what to do about each.
 _NO_CODE = "this library holds no code this GPU runs (`python -m kdtree info` says what each GPU runs)"
 _OLD_DRIVER = "the driver is older than the library's CUDA 13 (kdtree needs driver >= 580)"
@@ -252,10 +275,8 @@ def tree_build(top_logprobs, top_ids, budgets, *, seq_lens=None, root_tokens=Non
         if not fresh:
             _check_trees_out(out, B, D, dev)
         out._checked = (key, ptrs, fields)
-    rc = lib().kd_build_trees(
-        _ptr(lp), _ptr(top_ids), _ptr(budgets), _ptr(seq_lens), _ptr(root_tokens), B, L, K, D,
-        *ptrs, _stream(dev))
-    _check(rc, "tree_build")
+    _launch("tree_build", dev, "kd_build_trees", _ptr(lp), _ptr(top_ids), _ptr(budgets), _ptr(seq_lens),
+            _ptr(root_tokens), B, L, K, D, *ptrs)
     return out
 
 
@@ -353,18 +374,16 @@ def tree_accept(tokens, target, max_depth: int, *, parents=None, node_counts=Non
         if D > ACCEPT_PARENTS_MAX_SLOTS:
             raise InputError(f"tokens: expected at most {ACCEPT_PARENTS_MAX_SLOTS} slots a request with "
                              f"parents=, got D = {D} (next_token=/next_sibling= take any width)")
-        rc = lib().kd_tree_accept_parents(_ptr(c), _ptr(parents), _ptr(node_counts), _ptr(target), B, D,
-                                          max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]), _stream(dev))
+        _launch("tree_accept", dev, "kd_tree_accept_parents", _ptr(c), _ptr(parents), _ptr(node_counts),
+                _ptr(target), B, D, max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]))
     else:
         link = next_token.dtype if isinstance(next_token, torch.Tensor) else None
         if link is not torch.int32:
             link = torch.int64   # the message for anything else names int64, the build's
         _tensor("next_token", next_token, link, (B, D), dev)
         _tensor("next_sibling", next_sibling, link, (B, D), dev)
-        rc = lib().kd_tree_accept(_ptr(c), _ptr(next_token), _ptr(next_sibling), int(link is torch.int64),
-                                  _ptr(target), B, D, max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]),
-                                  _stream(dev))
-    _check(rc, "tree_accept")
+        _launch("tree_accept", dev, "kd_tree_accept", _ptr(c), _ptr(next_token), _ptr(next_sibling),
+                int(link is torch.int64), _ptr(target), B, D, max_depth, _ptr(out[0]), _ptr(out[1]), _ptr(out[2]))
     return out
 
 
@@ -514,10 +533,9 @@ def _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, req
                 raise InputError(f"{name}: expected a 16-byte aligned data pointer, got one {ptr % 16} "
                                  "bytes past it (a view at an offset?)")
     part_o, part_l = workspace
-    rc = lib().kd_verify_run(plan._ref, pq, pkv, kv.shape[0], _ptr(bt), bt.shape[1], _ptr(req_rows),
-                             _ptr(seq_lens), _ptr(visibility), bits, scale, pout, _ptr(out[1]),
-                             _ptr(part_o), _ptr(part_l), _stream(dev))
-    _check(rc, "tree_verify")
+    _launch("tree_verify", dev, "kd_verify_run", plan._ref, pq, pkv, kv.shape[0], _ptr(bt), bt.shape[1],
+            _ptr(req_rows), _ptr(seq_lens), _ptr(visibility), bits, scale, pout, _ptr(out[1]), _ptr(part_o),
+            _ptr(part_l))
     return out
 
 

@@ -1163,3 +1163,36 @@ def test_torch_ops_pass_opcheck_and_compile_into_one_graph(ops):
     acc = ops.tree_accept(trees.tokens, target, L, parents=trees.parents, node_counts=trees.node_counts)
     for g, w in zip(got, (trees.tokens, trees.visibility_bits, vo.out, vo.lse) + tuple(acc)):
         assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ops_run_on_their_tensors_device_not_the_current_one(ops):
+    """Tensors on the last GPU while device 0 is current: each op launches there, as a torch op
+    does (the library launches on the current device), and device 0 is current again after."""
+    dev = torch.device("cuda", torch.cuda.device_count() - 1)
+    torch.cuda.set_device(0)
+    B, L, budget, H = 3, 15, 64, 8
+    lp, ids = stage_a_inputs(B, L, 32000, budget, seed=5)
+    seq, roots = [100, 700, 0], [1, 2, 3]
+    want = build_trees(lp, ids, [budget] * B, seq_lens=seq, root_tokens=roots)
+    got = ops.tree_build(lp.to(dev), ids.to(dev), torch.full((B,), budget, dtype=torch.int32, device=dev),
+                         seq_lens=torch.tensor(seq, dtype=torch.int32, device=dev),
+                         root_tokens=torch.tensor(roots, device=dev), d_max=want.D)
+    assert torch.cuda.current_device() == 0
+    for f in ("node_counts", "tokens", "parents", "next_token", "next_sibling", "visibility_bits"):
+        assert np.array_equal(getattr(got, f).cpu().numpy(), getattr(want, f)), f
+    case = paged_case(seq, want.D, H, 64, seed=6, visibility=torch.from_numpy(want.visibility), device=dev)
+    plan = ops.TreeVerifyPlan(B, want.D, H, page_size=64, max_pages=case.block_table.shape[1], device=dev)
+    r = plan.run(case.q, case.kv_cache, case.block_table, case.seq_lens, got.visibility_bits, SCALE)
+    assert torch.cuda.current_device() == 0
+    ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                        case.visibility, SCALE)
+    assert (r.out.double() - ref_o).norm() / ref_o.norm() <= 5e-3
+    assert (r.lse.double() - ref_l).abs().max() <= 1e-3
+    target = follow_targets(want, 32000, 0.85, np.random.default_rng(7))
+    acc = ops.tree_accept(got.tokens, torch.from_numpy(target).to(dev), L, parents=got.parents,
+                          node_counts=got.node_counts)
+    assert torch.cuda.current_device() == 0
+    wanted = greedy_accept_batch(want.tokens, want.next_token, want.next_sibling, target, L)
+    for g, w in zip(acc, wanted):
+        assert np.array_equal(g.cpu().numpy(), w)

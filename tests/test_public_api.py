@@ -139,3 +139,41 @@ def test_config_schema_is_closed_documented_and_its_readme_current():
     # the checker catches what it should
     bad = {"properties": {"a": {"type": "object", "description": "x", "properties": {"b": {"type": "integer"}}}}}
     assert undocumented(bad) == ["a: accepts unknown keys", "a.b: no description"]
+
+
+def test_a_launch_runs_on_its_tensors_device_and_restores_the_callers(monkeypatch):
+    """ops._launch (every launch goes through it): the library launches on the current device,
+    so the tensors' device is made current for the call, and the caller's device comes back,
+    also when the launch fails; no device call where the two agree."""
+    from kdtree import ops
+
+    current, switches, seen = [0], [], []
+
+    def set_device(i):
+        switches.append(i)
+        current[0] = i
+
+    class Lib:
+        def kd_fake(self, *args):
+            seen.append((current[0], args))
+            return 0
+
+        def kd_fails(self, *args):
+            seen.append((current[0], args))
+            return 2
+
+        def kd_error_string(self, rc):
+            return b"out of memory"
+
+    monkeypatch.setattr(ops, "_get_device", lambda: current[0])
+    monkeypatch.setattr(ops, "_set_device", set_device)
+    monkeypatch.setattr(ops, "_stream", lambda dev: 1000 + dev.index)
+    monkeypatch.setattr(ops, "lib", Lib)
+    ops._launch("x", torch.device("cuda", 1), "kd_fake", 7, 8)
+    assert seen == [(1, (7, 8, 1001))] and switches == [1, 0] and current[0] == 0
+    switches.clear(), seen.clear()
+    ops._launch("x", torch.device("cuda", 0), "kd_fake")
+    assert seen == [(0, (1000,))] and switches == []
+    with pytest.raises(RuntimeError, match=r"^y: CUDA error 2 at launch \(out of memory\)$"):
+        ops._launch("y", torch.device("cuda", 3), "kd_fails")
+    assert seen[-1][0] == 3 and current[0] == 0

@@ -9,7 +9,6 @@ import torch
 
 from .. import ops
 from ..checks import InputError
-from ..loader import lib
 from ..reference.tree import MAX_BUDGET
 
 
@@ -99,11 +98,9 @@ class RoundBuilder:
         prefix = _lens("prefix_lens", prefix_lens, bs, self.device)
         trees, out = self._views(bs)
         ops.tree_build(lp, top_token_ids, b, root_tokens=bonus, d_max=self.q, out=trees)
-        rc = lib().kd_sglang_round_layout(*(t.data_ptr() for t in (
+        ops._launch("RoundBuilder.build", self.device, "kd_sglang_round_layout", *(t.data_ptr() for t in (
             trees.node_counts, trees.tokens, trees.depths, trees.next_token, trees.next_sibling, trees.visibility,
-            bonus, prefix)), int(prefix.dtype is torch.int64), bs, self.q, *(t.data_ptr() for t in out),
-            ops._stream(self.device))
-        ops._check(rc, "RoundBuilder.build")
+            bonus, prefix)), int(prefix.dtype is torch.int64), bs, self.q, *(t.data_ptr() for t in out))
         return out
 
 
@@ -145,9 +142,8 @@ def custom_mask(visibility, prefix_lens, out=None, mask_indptr=None):
     if bs == 0:
         mask_indptr.zero_()
         return out, mask_indptr
-    rc = lib().kd_sglang_custom_mask(vis.data_ptr(), prefix.data_ptr(), int(prefix.dtype is torch.int64), bs, q,
-                                     out.numel(), out.data_ptr(), mask_indptr.data_ptr(), ops._stream(dev))
-    ops._check(rc, "custom_mask")
+    ops._launch("custom_mask", dev, "kd_sglang_custom_mask", vis.data_ptr(), prefix.data_ptr(),
+                int(prefix.dtype is torch.int64), bs, q, out.numel(), out.data_ptr(), mask_indptr.data_ptr())
     return out, mask_indptr
 
 
@@ -177,7 +173,7 @@ def accept(tree_tokens, retrieve_next_token, retrieve_next_sibling, target, out:
         ops._tensor("out.commit_lens", out[1], torch.int32, (bs,), dev)
         ops._tensor("out.next_token_ids", out[2], torch.int64, (bs, q), dev)
         out = AcceptOutput(*out)
-    rc = lib().kd_sglang_accept_outputs(*(t.data_ptr() for t in (r.accept_index, r.accept_len, r.bonus, toks)),
-                                        bs, q, *(t.data_ptr() for t in out), ops._stream(dev))
-    ops._check(rc, "accept")
+    ops._launch("accept", dev, "kd_sglang_accept_outputs",
+                *(t.data_ptr() for t in (r.accept_index, r.accept_len, r.bonus, toks)), bs, q,
+                *(t.data_ptr() for t in out))
     return out
