@@ -13,6 +13,8 @@ The library is called through ctypes (loader.py), so one build serves any torch 
 from __future__ import annotations
 
 import ctypes
+import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -64,6 +66,20 @@ def _check_d_max(d_max) -> None:
 def _check_num_splits(num_splits) -> None:
     if num_splits is not None and (not _is_int(num_splits) or not 1 <= num_splits <= MAX_SPLITS):
         raise InputError(f"num_splits: expected an integer in [1, {MAX_SPLITS}] or None, got {num_splits!r}")
+
+
+def _check_scale(scale) -> float:
+    """The softmax scale as a float: any positive finite real (a Python or numpy float, an
+    int); a tensor is refused, since reading it would synchronise."""
+    if type(scale) is not float:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            hint = " (a tensor: pass float(t) once, outside the loop)" if isinstance(scale, torch.Tensor) else ""
+            raise InputError(f"scale: expected a positive float (e.g. 0.130861 for K2), got "
+                             f"{type(scale).__name__}{hint}")
+        scale = float(scale)
+    if not 0.0 < scale < math.inf:
+        raise InputError(f"scale: expected a positive float (finite; e.g. 0.130861 for K2), got {scale!r}")
+    return scale
 
 
 def _ptr(t: torch.Tensor | None):
@@ -511,8 +527,7 @@ def _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, req
     else:
         _tensor("visibility", visibility, torch.int32, (B, D, (D + 31) // 32), dev)
         bits = 1
-    if not isinstance(scale, float) or not scale > 0:
-        raise InputError(f"scale: expected a positive float (e.g. 0.130861 for K2), got {scale!r}")
+    scale = _check_scale(scale)
     oshape = (B * D, H, LATENT_DIM) if flat else (B, D, H, LATENT_DIM)
     if out is None:
         out = TreeVerifyResult(torch.empty(oshape, dtype=torch.bfloat16, device=dev),

@@ -177,3 +177,18 @@ def test_a_launch_runs_on_its_tensors_device_and_restores_the_callers(monkeypatc
     with pytest.raises(RuntimeError, match=r"^y: CUDA error 2 at launch \(out of memory\)$"):
         ops._launch("y", torch.device("cuda", 3), "kd_fails")
     assert seen[-1][0] == 3 and current[0] == 0
+
+
+def test_verify_scale_takes_any_positive_real_and_names_what_it_refuses():
+    import numpy as np
+    from kdtree import ops
+    from kdtree.checks import InputError
+
+    for v, want in ((0.130861, 0.130861), (np.float32(0.125), 0.125), (np.float64(0.5), 0.5), (1, 1.0)):
+        got = ops._check_scale(v)
+        assert type(got) is float and got == want
+    for bad, says in ((0, r"got 0\.0$"), (-0.1, "got -0.1"), (float("nan"), "got nan"), (float("inf"), "got inf"),
+                      (True, "got bool"), ("0.13", "got str"), (None, "got NoneType"),
+                      (torch.tensor(0.13), r"got Tensor \(a tensor: pass float\(t\) once")):
+        with pytest.raises(InputError, match=f"^scale: expected a positive float.*{says}"):
+            ops._check_scale(bad)
