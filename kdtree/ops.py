@@ -1,8 +1,8 @@
 """The three ops over libkdtree: tree build, tree-verify attention, tree accept.
 
 Each op checks shape, dtype, device and contiguity and names the wrong argument; it then
-only allocates its outputs through torch (graph-safe) and launches on torch's current
-stream: no host synchronisation, so a sequence of ops can be captured in a CUDA graph.
+only allocates its outputs through torch (graph-safe) and launches on the current stream of
+its tensors' device: no host synchronisation, so a sequence of ops can be captured in a CUDA graph.
 Every op returns a named result, and takes ``out=`` of that same type to write into
 preallocated (static) buffers. Sizes that depend on data (the padded tree width D) must
 be passed in for capture; a convenience default that reads them from the device
@@ -109,7 +109,7 @@ def _launch(what: str, dev: torch.device, entry: str, *args) -> None:
 
     The library launches on the current device and reads that device's limits, while a torch
     op follows its tensors: so ``dev`` is made current for the call and the caller's device
-    restored after (two C calls where they already agree). Raises on a failed launch."""
+    restored after (one C call where they already agree). Raises on a failed launch."""
     idx = dev.index
     prev = _get_device()
     if prev != idx:
