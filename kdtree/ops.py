@@ -554,7 +554,19 @@ def _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, req
     return out
 
 
+# tree_verify's plans by shape. A server's shapes drift (the block table widens with the
+# context), so the cache is bounded: past PLAN_CACHE_MAX it starts again (a plan is one C call).
+PLAN_CACHE_MAX = 1024
 _PLANS: dict = {}
+
+
+def _cached_plan(key, make):
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= PLAN_CACHE_MAX:
+            _PLANS.clear()
+        plan = _PLANS[key] = make()
+    return plan
 
 
 def tree_verify(q, kv_cache, block_table, seq_lens, visibility, scale: float, *, kernel: str = "auto",
@@ -583,12 +595,10 @@ def tree_verify(q, kv_cache, block_table, seq_lens, visibility, scale: float, *,
     _check_num_splits(num_splits)
     dev = q.get_device()
     key = (B, D, H, kv_cache.shape[1], block_table.shape[1], dev, kernel, num_splits)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if dev < 0:
-            _tensor("q", q, torch.bfloat16, (B, D, H, QK_DIM))  # raises: not on a GPU
-        plan = TreeVerifyPlan(B, D, H, kv_cache.shape[1], block_table.shape[1], device=torch.device("cuda", dev),
-                              kernel=kernel, num_splits=num_splits, own_workspace=False)
-        _PLANS[key] = plan
+    if dev < 0:
+        _tensor("q", q, torch.bfloat16, (B, D, H, QK_DIM))  # raises: not on a GPU
+    plan = _cached_plan(key, lambda: TreeVerifyPlan(B, D, H, kv_cache.shape[1], block_table.shape[1],
+                                                    device=torch.device("cuda", dev), kernel=kernel,
+                                                    num_splits=num_splits, own_workspace=False))
     return _run_verify(plan, q, kv_cache, block_table, seq_lens, visibility, scale, None, out,
                        _workspace(B, plan.num_splits, D * H, plan.device))

@@ -192,3 +192,23 @@ def test_verify_scale_takes_any_positive_real_and_names_what_it_refuses():
                       (torch.tensor(0.13), r"got Tensor \(a tensor: pass float\(t\) once")):
         with pytest.raises(InputError, match=f"^scale: expected a positive float.*{says}"):
             ops._check_scale(bad)
+
+
+def test_tree_verify_keeps_a_bounded_number_of_plans(monkeypatch):
+    """A server's shapes drift (the block table widens with the context): tree_verify's plan
+    cache never holds more than PLAN_CACHE_MAX plans, and a shape it holds is not planned again."""
+    from kdtree import ops
+
+    monkeypatch.setattr(ops, "_PLANS", {})
+    monkeypatch.setattr(ops, "PLAN_CACHE_MAX", 8)
+    made = []
+
+    def make(key):
+        made.append(key)
+        return ("plan", key)
+
+    for width in range(20):
+        assert ops._cached_plan((4, 65, 8, 1, width), lambda: make(width)) == ("plan", width)
+        assert len(ops._PLANS) <= 8
+    assert ops._cached_plan((4, 65, 8, 1, 19), lambda: make("again")) == ("plan", 19)
+    assert made == list(range(20))
