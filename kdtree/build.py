@@ -93,6 +93,8 @@ def compile_flags(archs=DEFAULT_ARCHS, extra_flags=()) -> list[str]:
     # Host code learns which per-arch kernels exist (e.g. KD_HAS_SM90A for sm90/).
     defines = [f"-DKD_HAS_{folder.upper()}A" for folder, need in ARCH_FOLDERS.items()
                if any(a in archs for a in need)]
+    # The library names its archs (kd_build_archs): joined by "__", a macro token needs no quoting.
+    defines.append(f"-DKD_BUILD_ARCHS={'__'.join(archs)}")
     return ["-O3", "-std=c++17", "-lineinfo", "-Xcompiler", "-fPIC", "--use_fast_math",
             f"-I{KERNELS / 'include'}", *defines, *extra_flags]
 

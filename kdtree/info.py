@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 
 from . import build, loader
@@ -15,17 +16,51 @@ from . import build, loader
 MEASURED = ("H200",)
 
 
-def device_code(major: int, minor: int) -> tuple[str | None, str]:
-    """The code of a default build (build.DEFAULT_ARCHS) a device of this compute capability
-    runs, and its verify kernel; (None, why) where none runs. A cubin runs on later minor
-    versions of its major; the PTX fallback is compiled by the driver for anything from 9.0."""
-    if (major, minor) == (9, 0):
-        return "sm_90a", "the wgmma verify kernel (mma.sync for a single row tile in a small launch)"
-    if major == 12:
-        return "sm_120", "the mma.sync verify kernel"
-    if major >= 9:
-        return "compute_90 PTX, compiled by the driver on first launch", "the mma.sync verify kernel"
-    return None, f"compute capability {major}.{minor}: kdtree's kernels need 9.0 or newer"
+def _arch(name: str) -> tuple[bool, tuple[int, int], str]:
+    """'sm_90a' -> (a cubin, (9, 0), 'a'); kdtree.build's names (validated there)."""
+    kind, num, suffix = re.fullmatch(r"(sm|compute)_(\d+)([a-z]?)", name).groups()
+    return kind == "sm", (int(num[:-1]), int(num[-1])), suffix
+
+
+def _runs_on(sass: bool, cc_code: tuple[int, int], suffix: str, cc: tuple[int, int]) -> bool:
+    """Whether code built for cc_code runs on a device of cc: an arch-specific build ('a') on
+    that compute capability alone; a cubin (or family code, 'f') on later minors of its major;
+    PTX on anything from its version."""
+    if suffix == "a":
+        return cc == cc_code
+    if sass or suffix == "f":
+        return cc[0] == cc_code[0] and cc[1] >= cc_code[1]
+    return cc >= cc_code
+
+
+def device_code(major: int, minor: int, archs=build.DEFAULT_ARCHS) -> tuple[str | None, str]:
+    """The code of a build of ``archs`` (a default build's unless named) that a device of this
+    compute capability runs, and its verify kernel: the newest cubin it runs, else the newest
+    PTX the driver compiles for it; (None, why) where none runs."""
+    if (major, minor) < (9, 0):
+        return None, f"compute capability {major}.{minor}: kdtree's kernels need 9.0 or newer"
+    fits = []
+    for name in archs:
+        sass, cc, suffix = _arch(name)
+        if _runs_on(sass, cc, suffix, (major, minor)):
+            fits.append((not sass, -cc[0], -cc[1], suffix != "a", name))   # cubins, newest, arch-specific first
+    if not fits:
+        return None, f"this library holds no code for it: built for {', '.join(archs)}"
+    name = min(fits)[-1]
+    if name == "sm_90a":
+        return name, "the wgmma verify kernel (mma.sync for a single row tile in a small launch)"
+    code = name if name.startswith("sm_") else f"{name} PTX, compiled by the driver on first launch"
+    return code, "the mma.sync verify kernel"
+
+
+def library_archs() -> tuple[str, ...]:
+    """The archs of the library the ops would load, where it is there and names them; else a
+    default build's (what a first use would compile)."""
+    path = loader.library_path()
+    try:
+        return (path.exists() and loader.build_archs(loader.load(path))) or build.DEFAULT_ARCHS
+    except (OSError, RuntimeError):
+        return build.DEFAULT_ARCHS
 
 
 def library_line() -> str:
@@ -41,7 +76,8 @@ def library_line() -> str:
             loader.load(path)
         except (OSError, RuntimeError) as e:
             return f"library: {path} ({source}) does not load: {e}"
-        return f"library: {path} ({source}, C ABI {loader.ABI_VERSION})"
+        archs = loader.build_archs(loader.load(path))
+        return f"library: {path} ({source}, C ABI {loader.ABI_VERSION}; {', '.join(archs) or 'archs unknown'})"
     if source == "KDTREE_LIB":
         return f"library: KDTREE_LIB={path}: no such file (build it with `python -m kdtree build`)"
     try:
@@ -53,13 +89,13 @@ def library_line() -> str:
             f"({major}.{minor}, about a minute)")
 
 
-def gpu_lines(devices) -> list[str]:
-    """devices: (name, (major, minor), SMs) a GPU, as torch reports them."""
+def gpu_lines(devices, archs=build.DEFAULT_ARCHS) -> list[str]:
+    """devices: (name, (major, minor), SMs) a GPU, as torch reports them; archs: the library's."""
     if not devices:
         return ["GPU: none visible (torch.cuda); the ops need one, the references do not"]
     lines = []
     for i, (name, (major, minor), sms) in enumerate(devices):
-        code, kernel = device_code(major, minor)
+        code, kernel = device_code(major, minor, archs)
         head = f"GPU {i}: {name}, compute capability {major}.{minor}, {sms} SMs"
         if code is None:
             lines.append(f"{head}: not supported ({kernel})")
@@ -112,4 +148,4 @@ def report(devices=None) -> list[str]:
 
     py = ".".join(map(str, sys.version_info[:3]))
     return [f"kdtree {__version__}, Python {py}, torch {torch.__version__}", library_line(),
-            *gpu_lines(torch_devices() if devices is None else devices), sglang_line()]
+            *gpu_lines(torch_devices() if devices is None else devices, library_archs()), sglang_line()]

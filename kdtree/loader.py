@@ -50,6 +50,7 @@ class KdVerifyPlan(ctypes.Structure):
 _ABI = {
     "kd_version": [],
     "kd_error_string": [_I],
+    "kd_build_archs": [],
     "kd_build_trees": [_P] * 5 + [_I] * 4 + [_P] * 10 + [_P],
     "kd_build_plan_make": [_I] * 5 + [ctypes.POINTER(KdBuildPlan)],
     "kd_build_set_smem_limit": [_I],
@@ -62,7 +63,7 @@ _ABI = {
     "kd_sglang_round_layout": [_P] * 8 + [_I] * 3 + [_P] * 5 + [_P],
     "kd_sglang_accept_outputs": [_P] * 4 + [_I] * 2 + [_P] * 3 + [_P],
 }
-_RESTYPE = {"kd_error_string": ctypes.c_char_p}
+_RESTYPE = {"kd_error_string": ctypes.c_char_p, "kd_build_archs": ctypes.c_char_p}
 
 
 def cache_dir() -> pathlib.Path:
@@ -136,3 +137,9 @@ def load(path) -> ctypes.CDLL:
         f.argtypes = argtypes
         f.restype = _RESTYPE.get(name, _I)
     return so
+
+
+def build_archs(so) -> tuple[str, ...]:
+    """The archs a loaded library was compiled for (kdtree.build's names); () where unknown."""
+    text = so.kd_build_archs().decode()
+    return () if text == "unknown" else tuple(text.split("__"))

@@ -21,6 +21,24 @@ def test_device_code_follows_the_default_build(cc, code):
         assert ("wgmma" in kernel) == (cc == (9, 0))
 
 
+@pytest.mark.parametrize("archs, cc, code", [
+    (("sm_90a",), (9, 0), "sm_90a"), (("sm_90a",), (12, 0), None), (("sm_90a",), (9, 1), None),
+    (("sm_90", "sm_90a"), (9, 0), "sm_90a"), (("sm_90",), (9, 0), "sm_90"),
+    (("sm_120", "compute_90"), (9, 0), "compute_90 PTX"), (("compute_90", "compute_100"), (10, 3), "compute_100 PTX"),
+    (("compute_90a",), (10, 0), None), (("sm_100f", "compute_90"), (10, 3), "sm_100f"),
+    (("sm_120", "sm_100"), (12, 1), "sm_120"), (("sm_120",), (8, 9), None)])
+def test_device_code_follows_the_library_archs(archs, cc, code):
+    """A library built for other archs (`kdtree build --archs`, KDTREE_LIB): the newest cubin a
+    device runs (an arch-specific one on its own compute capability alone), else PTX, else none."""
+    got, why = info.device_code(*cc, archs)
+    if code is None:
+        assert got is None
+        assert ("need 9.0 or newer" in why) if cc < (9, 0) else why == f"this library holds no code for it: built for {', '.join(archs)}"
+    else:
+        assert got.startswith(code)
+        assert ("wgmma" in why) == (got == "sm_90a")
+
+
 def test_gpu_lines_say_what_runs_and_what_was_measured():
     lines = info.gpu_lines([("NVIDIA H200", (9, 0), 132),
                             ("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188),
@@ -30,6 +48,9 @@ def test_gpu_lines_say_what_runs_and_what_was_measured():
     assert "runs sm_120, the mma.sync verify kernel" in lines[1] and "run the tests here" in lines[1]
     assert "not supported" in lines[2] and "runs" not in lines[2]
     assert info.gpu_lines([]) == ["GPU: none visible (torch.cuda); the ops need one, the references do not"]
+    hopper_only = info.gpu_lines([("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188)], ("sm_90a",))
+    assert hopper_only == ["GPU 0: NVIDIA RTX PRO 6000 Blackwell Server Edition, compute capability 12.0, 188 SMs: "
+                           "not supported (this library holds no code for it: built for sm_90a)"]
 
 
 def test_library_line_names_a_missing_or_broken_library(tmp_path, monkeypatch):

@@ -557,8 +557,37 @@ def test_host_twin_script_compares_libraries(lib_path):
 
 
 def test_info_loads_the_library_it_names(lib_path, monkeypatch):
-    """`python -m kdtree info` on a built library: it loads, with this package's C ABI."""
-    from kdtree import info, loader
+    """`python -m kdtree info` on a built library: it loads, with this package's C ABI, and says
+    the archs it was built for, which decide what each GPU runs."""
+    from kdtree import build, info, loader
 
     monkeypatch.setenv("KDTREE_LIB", str(lib_path))
-    assert info.library_line() == f"library: {lib_path} (KDTREE_LIB, C ABI {loader.ABI_VERSION})"
+    assert loader.build_archs(loader.load(lib_path)) == build.DEFAULT_ARCHS
+    assert info.library_line() == (f"library: {lib_path} (KDTREE_LIB, C ABI {loader.ABI_VERSION}; "
+                                   "sm_90a, sm_120, compute_90)")
+    assert info.library_archs() == build.DEFAULT_ARCHS
+
+
+def test_a_library_names_the_archs_it_was_built_for(tmp_path, monkeypatch):
+    """A build of other archs says so (info then judges each GPU by them); one compiled by
+    other means than kdtree.build says it does not know."""
+    from kdtree import build, info, loader
+
+    src = build.KERNELS / "src" / "abi.cu"
+    nvcc = build.find_nvcc()
+    for archs, want in ((("sm_120",), ("sm_120",)), (None, ())):
+        so = tmp_path / f"lib{len(want)}.so"
+        flags = build.compile_flags(archs) if archs else ["-I" + str(build.KERNELS / "include"), "-Xcompiler", "-fPIC"]
+        subprocess.run([nvcc, "-shared", *flags, "-arch=sm_90a", str(src), "-o", str(so)], check=True)
+        lib = ctypes.CDLL(str(so))
+        lib.kd_build_archs.restype = ctypes.c_char_p
+        assert loader.build_archs(lib) == want
+    monkeypatch.setenv("KDTREE_LIB", str(tmp_path / "lib1.so"))
+    monkeypatch.setattr(loader, "load", _abi_only)   # abi.cu alone: not the whole C ABI
+    assert info.library_archs() == ("sm_120",)
+
+
+def _abi_only(path):
+    so = ctypes.CDLL(str(path))
+    so.kd_build_archs.restype = ctypes.c_char_p
+    return so

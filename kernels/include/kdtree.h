@@ -26,6 +26,9 @@ int kd_version(void);
 // A sentence for a code an entry point returned: CUDA's for a cudaError_t, kdtree's for a
 // KD_ERR_* code; never NULL, and callable without a GPU.
 const char* kd_error_string(int code);
+// The archs the library was compiled for, as kdtree.build names them, joined by "__"
+// ("sm_90a__sm_120__compute_90"; "unknown" for a build by other means).
+const char* kd_build_archs(void);
 
 // Best-first DDTree build (spec ddtree.md), byte-identical to kdtree.tree.build_trees.
 // top_lp f32 [B, L, K], top_ids i64 [B, L, K], budgets i32 [B], prefix_lens i32 [B] (may be
