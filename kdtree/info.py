@@ -128,7 +128,7 @@ def sglang_line() -> str:
     # kdtree.sglang patches on import under KDTREE_SGLANG=1; info only asks.
     flag = os.environ.pop("KDTREE_SGLANG", None)
     try:
-        from .sglang.patch import PatchError, check_patch
+        from .sglang.patch import PatchError, check_patch, imported_copies
     finally:
         if flag is not None:
             os.environ["KDTREE_SGLANG"] = flag
@@ -137,7 +137,8 @@ def sglang_line() -> str:
         mod, originals = check_patch()
     except PatchError as e:
         return f"SGLang {version}: patch() would refuse: {e}"
-    names = ", ".join(f"{mod.__name__}.{n}" for n in originals)
+    names = ", ".join([f"{mod.__name__}.{n}" for n in originals] +
+                      [f"{m.__name__}.{n}" for m, n in imported_copies(mod, originals)])
     return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"
 
 

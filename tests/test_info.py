@@ -79,6 +79,11 @@ def test_sglang_line_says_what_patch_would_do_and_does_not_do_it(monkeypatch):
     assert info.sglang_line() == ("SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace "
                                   "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk")
     assert m.build_ddtree_tree_from_topk is original   # nothing replaced
+    worker_copy = types.ModuleType("sglang.srt.speculative.ddtree_worker")
+    worker_copy.build_ddtree_tree_from_topk = original   # `from .ddtree_utils import ...`
+    monkeypatch.setitem(sys.modules, "sglang.srt.speculative.ddtree_worker", worker_copy)
+    assert info.sglang_line().endswith("would replace sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk, "
+                                       "sglang.srt.speculative.ddtree_worker.build_ddtree_tree_from_topk")
     monkeypatch.setitem(sys.modules, "sglang.srt.speculative.ddtree_utils", worker("(lp, ids, budget, temp)"))
     line = info.sglang_line()
     assert line.startswith("SGLang 0.5.99: patch() would refuse") and "expected parameters" in line

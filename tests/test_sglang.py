@@ -12,6 +12,7 @@ from kdtree.harness.workloads import stage_a_inputs
 from kdtree.reference.tree import build_tree
 from kdtree import sglang
 from kdtree.sglang import reference as ref
+from kdtree.sglang.patch import imported_copies
 
 
 def ancestors(parents, i):
@@ -204,8 +205,56 @@ def test_patch_from_env(monkeypatch, capsys):
 
 
 def test_drop_in_signature_is_the_workers():
-    assert tuple(inspect.signature(sglang.build_ddtree_tree_from_topk).parameters) == \
-        ("top_log_probs", "top_token_ids", "budget")
+    """The worker's three parameters, then the DFlash + DDTree fork's optional workspace."""
+    params = inspect.signature(sglang.build_ddtree_tree_from_topk).parameters
+    assert tuple(params) == ("top_log_probs", "top_token_ids", "budget", "workspace")
+    assert params["workspace"].default is None
+
+
+def test_patch_reaches_a_worker_that_imported_the_builder_by_name(monkeypatch, capsys):
+    """The DFlash + DDTree fork: the utils module defines build_ddtree_tree_from_topk(...,
+    workspace=None) and the worker module imported it by name, so its calls go through its own
+    reference. patch() of the utils replaces that copy too, says so, and undo() restores both;
+    the worker's call with its workspace gets the worker's 7-tuple."""
+    import sys
+
+    utils = stand_in("(top_log_probs, top_token_ids, budget, workspace=None)")
+    utils.__name__ = "fake_dflash_ddtree_utils"
+    worker = types.ModuleType("fake_dflash_ddtree_worker")
+    worker.build_ddtree_tree_from_topk = original = utils.build_ddtree_tree_from_topk
+    monkeypatch.setitem(sys.modules, "fake_dflash_ddtree_utils", utils)
+    monkeypatch.setitem(sys.modules, "fake_dflash_ddtree_worker", worker)
+    _, originals = sglang.check_patch(utils)
+    assert [(m, n) for m, n in imported_copies(utils, originals)] == [(worker, "build_ddtree_tree_from_topk")]
+    p = sglang.patch(utils)
+    try:
+        assert p.copies == ("fake_dflash_ddtree_worker.build_ddtree_tree_from_topk",)
+        assert "fake_dflash_ddtree_utils.build_ddtree_tree_from_topk, fake_dflash_ddtree_worker." \
+               "build_ddtree_tree_from_topk" in capsys.readouterr().err
+        assert worker.build_ddtree_tree_from_topk is sglang.build_ddtree_tree_from_topk
+        lp, ids = stage_a_inputs(1, 15, 50, 8, seed=9)
+        got = worker.build_ddtree_tree_from_topk(lp[0], ids[0], 8, workspace=object())
+        assert got[2] == build_tree(lp[0].numpy(), ids[0].numpy(), 8).parents.tolist()
+        with pytest.raises(sglang.PatchError, match="already kdtree's"):
+            sglang.patch(worker)   # the copy was switched with its source
+    finally:
+        p.undo()
+    assert utils.build_ddtree_tree_from_topk is original and worker.build_ddtree_tree_from_topk is original
+
+
+@pytest.mark.parametrize("sig", ["(top_log_probs, top_token_ids, budget, workspace)",
+                                 "(top_log_probs, top_token_ids, budget, temperature=1.0)",
+                                 "(top_log_probs, top_token_ids, budget, workspace=None, chain_len=0)",
+                                 "(top_token_ids, top_log_probs, budget)"])
+def test_patch_refuses_parameters_it_would_not_honour(sig):
+    """A parameter kdtree's builder would drop or could not be given (no default, unknown, or
+    the order changed) means another format: nothing is replaced."""
+    m = stand_in(sig)
+    original = m.build_ddtree_tree_from_topk
+    with pytest.raises(sglang.PatchError, match=r"expected parameters \('top_log_probs', 'top_token_ids', "
+                                                r"'budget'\) \(then optionally workspace=\)"):
+        sglang.patch(m)
+    assert m.build_ddtree_tree_from_topk is original
 
 
 @pytest.mark.parametrize("D", [1, 2, 33, 65, 1025])

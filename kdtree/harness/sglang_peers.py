@@ -63,7 +63,7 @@ def sglang_version() -> str | None:
 @functools.cache
 def builder():
     """SGLang's DDTree worker builder (spec step 2), or (None, why)."""
-    return _find(WORKER_MODULES, BUILDER, WORKER_FUNCTIONS[BUILDER])
+    return _find(WORKER_MODULES, BUILDER, WORKER_FUNCTIONS[BUILDER][0])   # its required parameters
 
 
 @functools.cache

@@ -12,11 +12,12 @@ from ..reference.tree import MAX_BUDGET
 from . import reference
 
 
-def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int):
+def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int, workspace=None):
     """The worker's ``build_ddtree_tree_from_topk``: the same arguments and the same 7-tuple
     (CPU tensors and Python lists, as the worker's callers expect). CPU inputs take the
     heapq build; CUDA inputs are built by the GPU kernel into one buffer kept per (device,
-    budget), copied back to pinned memory in one copy, then one sync."""
+    budget), copied back to pinned memory in one copy, then one sync. ``workspace`` (the
+    DFlash + DDTree fork's CPU buffers) is taken and not used: the GPU build keeps its own."""
     if not (isinstance(top_log_probs, torch.Tensor) and top_log_probs.is_cuda):
         return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
     if isinstance(budget, bool) or not isinstance(budget, int) or budget > MAX_BUDGET:

@@ -4,8 +4,11 @@
 ``build_ddtree_tree_from_topk``) after checking that the module, each function and its
 signature are what kdtree expects; it says what it replaced, and ``Patch.undo()`` (or
 ``unpatch()``) puts the originals back. Nothing is replaced unless everything checks out.
-``KDTREE_SGLANG=1`` in the environment patches on ``import kdtree.sglang``; ``check_patch()``
-says what ``patch()`` would do without doing it.
+A worker that imported the function by name (``from ...utils import build_...``) holds its
+own reference, which patching the module it came from would miss: patch() also replaces every
+such copy already imported (``imported_copies``), and a worker imported later takes kdtree's
+from the patched module. ``KDTREE_SGLANG=1`` in the environment patches on ``import
+kdtree.sglang``; ``check_patch()`` says what ``patch()`` would do without doing it.
 """
 from __future__ import annotations
 
@@ -14,11 +17,14 @@ import inspect
 import os
 import sys
 
-# Where DDTree worker modules live in the SGLang forks that carry one (spec sglang.md).
+# Where DDTree worker modules live in the SGLang forks that carry one (spec sglang.md): the
+# DDTree worker's, then the DFlash + DDTree worker's.
 MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree_worker",
-           "sglang.srt.speculative.ddtree")
-# name -> the parameters the worker's function takes, in order.
-FUNCTIONS = {"build_ddtree_tree_from_topk": ("top_log_probs", "top_token_ids", "budget")}
+           "sglang.srt.speculative.ddtree", "sglang.srt.speculative.dflash_ddtree_utils",
+           "sglang.srt.speculative.dflash_ddtree_worker")
+# name -> (the parameters the worker's function takes, in order; those a fork adds after them,
+# each with a default, which kdtree's takes and ignores: the DFlash + DDTree fork's CPU buffers).
+FUNCTIONS = {"build_ddtree_tree_from_topk": (("top_log_probs", "top_token_ids", "budget"), ("workspace",))}
 
 
 class PatchError(RuntimeError):
@@ -26,16 +32,20 @@ class PatchError(RuntimeError):
 
 
 class Patch:
-    """An applied patch: ``module``, ``replaced`` (names), ``undo()``; a context manager."""
+    """An applied patch: ``module``, ``replaced`` (its names), ``copies`` (``module.name`` of
+    the copies replaced elsewhere), ``undo()``; a context manager."""
 
-    def __init__(self, module, originals: dict):
-        self.module, self._originals = module, originals
+    def __init__(self, module, originals: dict, copies: list):
+        self.module, self._originals, self._copies = module, originals, copies
         self.replaced = tuple(originals)
+        self.copies = tuple(f"{m.__name__}.{n}" for m, n in copies)
 
     def undo(self) -> None:
         for name, fn in self._originals.items():
             setattr(self.module, name, fn)
-        self._originals = {}
+        for m, name in self._copies:
+            setattr(m, name, self._originals[name])
+        self._originals, self._copies = {}, []
         _ACTIVE.pop(self.module.__name__, None)
 
     def __enter__(self):
@@ -81,15 +91,35 @@ def check_patch(module=None) -> tuple:
             raise PatchError(f"{name}.{fn_name}: not found; this module is not a DDTree worker kdtree knows")
         if not callable(fn):
             raise PatchError(f"{name}.{fn_name}: expected a function, got {type(fn).__name__}")
+        if (getattr(fn, "__module__", None) or "").startswith("kdtree."):
+            raise PatchError(f"{name}.{fn_name}: already kdtree's (patched through the module it was "
+                             "imported from); nothing to replace")
         try:
-            got = tuple(inspect.signature(fn).parameters)
+            got = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
             raise PatchError(f"{name}.{fn_name}: its signature cannot be read") from None
-        if got != params:
-            raise PatchError(f"{name}.{fn_name}{tuple(got)}: expected parameters {params}; "
-                             "this worker speaks another format, so nothing was replaced")
+        required, optional = params
+        extra = got[len(required):]
+        if tuple(p.name for p in got[:len(required)]) != required or \
+                any(p.name not in optional or p.default is inspect.Parameter.empty for p in extra):
+            raise PatchError(f"{name}.{fn_name}{tuple(p.name for p in got)}: expected parameters {required}"
+                             f" (then optionally {', '.join(f'{o}=' for o in optional)}); this worker speaks "
+                             "another format, so nothing was replaced")
         originals[fn_name] = fn
     return mod, originals
+
+
+def imported_copies(module, originals: dict) -> list:
+    """``(module, name)`` of every other loaded module that holds one of ``originals`` under its
+    name: a worker that imported the function by name, whose calls patching ``module`` alone
+    would not reach. Read from each module's own namespace (no lazy attribute is triggered)."""
+    copies = []
+    for m in list(sys.modules.values()):
+        space = getattr(m, "__dict__", None)
+        if m is module or not isinstance(space, dict):
+            continue
+        copies += [(m, n) for n, fn in originals.items() if space.get(n) is fn]
+    return copies
 
 
 def patch(module=None, verbose: bool = True) -> Patch:
@@ -102,12 +132,16 @@ def patch(module=None, verbose: bool = True) -> Patch:
         raise PatchError(f"{name} is already patched by kdtree (undo() it first)")
     ours = {"build_ddtree_tree_from_topk": build_ddtree_tree_from_topk}
     _, originals = check_patch(mod)
+    copies = imported_copies(mod, originals)
     for fn_name in originals:
         setattr(mod, fn_name, ours[fn_name])
-    p = Patch(mod, originals)
+    for m, fn_name in copies:
+        setattr(m, fn_name, ours[fn_name])
+    p = Patch(mod, originals, copies)
     _ACTIVE[name] = p
     if verbose:
-        print(f"kdtree.sglang: replaced {', '.join(f'{name}.{n}' for n in p.replaced)}", file=sys.stderr)
+        print(f"kdtree.sglang: replaced {', '.join([f'{name}.{n}' for n in p.replaced] + list(p.copies))}",
+              file=sys.stderr)
     return p
 
 
