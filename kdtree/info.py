@@ -6,7 +6,9 @@ Read-only: nothing is built, launched or patched.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import pathlib
 import re
 import sys
 
@@ -142,6 +144,18 @@ def sglang_line() -> str:
     return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"
 
 
+def hook_line() -> str:
+    """Whether KDTREE_SGLANG=1 alone switches a server over: the startup hook and its .pth,
+    which an install from a wheel or `pip install .` puts in site-packages."""
+    pth = next((pathlib.Path(d) / "kdtree-sglang.pth" for d in sys.path
+                if d and (pathlib.Path(d) / "kdtree-sglang.pth").is_file()), None)
+    if pth is None or importlib.util.find_spec("_kdtree_sglang_hook") is None:
+        return ("startup hook: not installed (an editable install): under KDTREE_SGLANG=1 the server must "
+                "`import kdtree.sglang` itself, or call kdtree.sglang.patch()")
+    return (f"startup hook: {pth} (KDTREE_SGLANG=1 in the server's environment switches the worker over "
+            "when the server imports it)")
+
+
 def report(devices=None) -> list[str]:
     import torch
 
@@ -149,4 +163,4 @@ def report(devices=None) -> list[str]:
 
     py = ".".join(map(str, sys.version_info[:3]))
     return [f"kdtree {__version__}, Python {py}, torch {torch.__version__}", library_line(),
-            *gpu_lines(torch_devices() if devices is None else devices, library_archs()), sglang_line()]
+            *gpu_lines(torch_devices() if devices is None else devices, library_archs()), sglang_line(), hook_line()]

@@ -93,7 +93,20 @@ def test_info_command_prints_the_report(capsys):
     assert main(["info"]) in (None, 0)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("kdtree ") and out[1].startswith("library: ")
-    assert any(line.startswith("GPU") for line in out) and out[-1].startswith("SGLang")
+    assert any(line.startswith("GPU") for line in out) and out[-2].startswith("SGLang")
+    assert out[-1].startswith("startup hook: ")
+
+
+def test_hook_line_finds_the_pth_and_the_hook_on_the_path(tmp_path, monkeypatch):
+    import shutil
+
+    assert info.hook_line().startswith("startup hook: not installed") or "kdtree-sglang.pth" in info.hook_line()
+    (tmp_path / "kdtree-sglang.pth").write_text("import os\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert info.hook_line().startswith("startup hook: not installed")   # the .pth without its module
+    shutil.copy(info.__file__.replace("info.py", "sglang/startup_hook.py"), tmp_path / "_kdtree_sglang_hook.py")
+    assert info.hook_line() == (f"startup hook: {tmp_path / 'kdtree-sglang.pth'} (KDTREE_SGLANG=1 in the server's "
+                                "environment switches the worker over when the server imports it)")
 
 
 def test_info_under_kdtree_sglang_1_only_asks(tmp_path):

@@ -163,6 +163,8 @@ def patch_from_env():
     flag = os.environ.get("KDTREE_SGLANG", "")
     if flag in ("", "0"):
         return None
+    if any(type(f).__name__ == "WorkerFinder" for f in sys.meta_path):
+        return None   # the startup hook patches each worker module as it is imported (startup_hook.py)
     if flag != "1":
         print(f"kdtree.sglang: KDTREE_SGLANG={flag!r} ignored (expected 1 or 0)", file=sys.stderr)
         return None

@@ -1,0 +1,94 @@
+"""``KDTREE_SGLANG=1`` with nothing else changed: the server's own imports switch the worker over.
+
+The package installs this file as the top-level module ``_kdtree_sglang_hook`` beside a
+``kdtree-sglang.pth`` whose one line calls ``install()`` at interpreter start where
+``KDTREE_SGLANG=1`` (SGLang's spawned workers included). It imports nothing heavy (no torch, no
+kdtree): ``install()`` only puts a finder first on ``sys.meta_path``. When a DDTree worker module
+is imported, the finder lets the usual finders find it and wraps its loader, so that right after
+the module has run ``kdtree.sglang.patch()`` switches it over; a worker that imports the builder
+from a module patched so takes kdtree's. Nothing here may break the server's import: a refusal or
+an error is one line on stderr and the CPU path stays.
+"""
+import importlib.abc
+import os
+import sys
+
+# The modules kdtree.sglang.patch knows (its MODULES; tests/test_sglang_hook.py keeps the two equal).
+MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree_worker",
+           "sglang.srt.speculative.ddtree", "sglang.srt.speculative.dflash_ddtree_utils",
+           "sglang.srt.speculative.dflash_ddtree_worker")
+BUILDER = "build_ddtree_tree_from_topk"
+
+
+_REFUSED = []   # builders patch() refused: a worker's copy of one is not refused again aloud
+
+
+def patch_module(module) -> None:
+    """Patches ``module`` if it holds a builder that is not kdtree's; says why where it refuses."""
+    fn = vars(module).get(BUILDER)
+    if fn is None or any(fn is r for r in _REFUSED) or (getattr(fn, "__module__", None) or "").startswith("kdtree."):
+        return   # no builder here (the worker calls its utils'), one refused already, or a patched copy
+    try:
+        from kdtree.sglang.patch import patch
+        patch(module)
+    except Exception as e:  # noqa: BLE001 - the server must start whatever kdtree says
+        _REFUSED.append(fn)
+        print(f"kdtree.sglang: KDTREE_SGLANG=1 but {module.__name__} not patched: {type(e).__name__}: {e}",
+              file=sys.stderr)
+
+
+class _PatchAfterRun(importlib.abc.Loader):
+    """A worker module's own loader, then patch_module on the module it ran."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        patch_module(module)
+
+    def __getattr__(self, name):   # get_source, get_filename, ... as the module's own loader
+        return getattr(self.loader, name)
+
+
+class WorkerFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: for the watched names, the next finder's spec with its loader wrapped."""
+
+    def __init__(self, names):
+        self.names = frozenset(names)
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.names:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _PatchAfterRun(spec.loader)
+        return spec
+
+
+def active() -> bool:
+    return any(isinstance(f, WorkerFinder) for f in sys.meta_path)
+
+
+def install() -> None:
+    """Watches the worker modules (KDTREE_SGLANG_MODULE alone where set); once a process."""
+    try:
+        if active():
+            return
+        named = os.environ.get("KDTREE_SGLANG_MODULE")
+        sys.meta_path.insert(0, WorkerFinder([named] if named else MODULES))
+        for name in list(sys.modules):   # already imported (a sitecustomize, say): patch them now
+            if name in (named,) or (not named and name in MODULES):
+                patch_module(sys.modules[name])
+    except Exception as e:  # noqa: BLE001 - never break interpreter start
+        print(f"kdtree.sglang: the KDTREE_SGLANG startup hook failed: {type(e).__name__}: {e}", file=sys.stderr)
