@@ -1,5 +1,6 @@
 """`python -m kdtree info`: what each GPU runs, whether its kind was measured, where the library
 comes from and whether patch() would find a DDTree worker; read-only."""
+import pathlib
 import sys
 import types
 
@@ -124,9 +125,16 @@ def test_info_under_kdtree_sglang_1_only_asks(tmp_path):
                                          "    return 'cpu path'\n")
     env = dict(os.environ, KDTREE_SGLANG="1", PYTHONPATH=os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    r = subprocess.run([sys.executable, "-m", "kdtree", "info"], capture_output=True, text=True, env=env,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace " \
-           "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk" in r.stdout
-    assert "replaced" not in r.stderr
+    # As installed (the startup hook active from interpreter start) and without the hook.
+    hook = pathlib.Path(info.__file__).parent / "sglang" / "startup_hook.py"
+    with_hook = ("import importlib.util, sys\n"
+                 f"spec = importlib.util.spec_from_file_location('_kdtree_sglang_hook', {str(hook)!r})\n"
+                 "h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h); h.install()\n"
+                 "assert h.active()\n"
+                 "from kdtree.cli import main; main(['info']); assert h.active()\n")
+    for argv in (["-m", "kdtree", "info"], ["-c", with_hook]):
+        r = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert "SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace " \
+               "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk" in r.stdout, argv
+        assert "replaced" not in r.stderr
