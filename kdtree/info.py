@@ -6,7 +6,6 @@ Read-only: nothing is built, launched or patched.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import pathlib
 import re
@@ -151,8 +150,9 @@ def hook_line() -> str:
     """Whether KDTREE_SGLANG=1 alone switches a server over: the startup hook and its .pth,
     which an install from a wheel or `pip install .` puts in site-packages."""
     pth = next((pathlib.Path(d) / "kdtree-sglang.pth" for d in sys.path
-                if d and (pathlib.Path(d) / "kdtree-sglang.pth").is_file()), None)
-    if pth is None or importlib.util.find_spec("_kdtree_sglang_hook") is None:
+                if d and (pathlib.Path(d) / "kdtree-sglang.pth").is_file()
+                and (pathlib.Path(d) / "_kdtree_sglang_hook.py").is_file()), None)   # installed together
+    if pth is None:
         return ("startup hook: not installed (an editable install): under KDTREE_SGLANG=1 the server must "
                 "`import kdtree.sglang` itself, or call kdtree.sglang.patch()")
     return (f"startup hook: {pth} (KDTREE_SGLANG=1 in the server's environment switches the worker over "

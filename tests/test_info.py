@@ -101,7 +101,8 @@ def test_info_command_prints_the_report(capsys):
 def test_hook_line_finds_the_pth_and_the_hook_on_the_path(tmp_path, monkeypatch):
     import shutil
 
-    assert info.hook_line().startswith("startup hook: not installed") or "kdtree-sglang.pth" in info.hook_line()
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (pathlib.Path(p or ".") / "kdtree-sglang.pth").exists()])
+    assert info.hook_line().startswith("startup hook: not installed")
     (tmp_path / "kdtree-sglang.pth").write_text("import os\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert info.hook_line().startswith("startup hook: not installed")   # the .pth without its module

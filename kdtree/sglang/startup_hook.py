@@ -63,8 +63,8 @@ class WorkerFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name not in self.names:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+        for finder in sys.meta_path:   # past every WorkerFinder: two would ask each other forever
+            if type(finder).__name__ == "WorkerFinder" or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(name, path, target)
             if spec is not None:
