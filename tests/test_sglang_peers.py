@@ -75,6 +75,28 @@ def test_builder_with_another_tree_is_an_error_row(no_sglang, monkeypatch):
     assert row["status"] == "error" and "differs" in row["reason"] and "median_us" not in row
 
 
+def test_builder_patched_by_kdtree_is_not_timed_as_sglangs(no_sglang, monkeypatch):
+    """Under KDTREE_SGLANG=1 (or after patch()) the worker module holds kdtree's drop-in: timing
+    it as SGLang's builder would compare kdtree with itself, so the row says why it is absent."""
+    from kdtree import sglang
+
+    fake_module(monkeypatch, WORKER, build_ddtree_tree_from_topk=sglang.build_ddtree_tree_from_topk)
+    fn, why = sglang_peers.builder()
+    assert fn is None and "kdtree's drop-in, not SGLang's" in why
+
+
+def test_sglang_modules_load_without_the_startup_hook(no_sglang, monkeypatch):
+    """The startup hook stands aside while the peers import SGLang's modules."""
+    class WorkerFinder:   # the hook's finder, by name
+        def find_spec(self, name, path, target=None):
+            raise AssertionError(f"the hook saw {name}")
+
+    monkeypatch.setattr(sys, "meta_path", [WorkerFinder(), *sys.meta_path])
+    fn, why = sglang_peers._find(("kdtree_test_no_such_sglang_module",), "build_ddtree_tree_from_topk", ())
+    assert fn is None and "ModuleNotFoundError" in why and "the hook saw" not in why
+    assert type(sys.meta_path[0]).__name__ == "WorkerFinder"   # put back
+
+
 def test_builder_of_another_signature_is_not_taken(no_sglang, monkeypatch):
     fake_module(monkeypatch, WORKER, build_ddtree_tree_from_topk=lambda logprobs, ids, budget: None)
     fn, why = sglang_peers.builder()
