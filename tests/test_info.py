@@ -101,10 +101,12 @@ def test_info_command_prints_the_report(capsys):
 def test_hook_line_finds_the_pth_and_the_hook_on_the_path(tmp_path, monkeypatch):
     import shutil
 
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (pathlib.Path(p or ".") / "kdtree-sglang.pth").exists()])
+    # sys.path replaced, never edited in place: the interpreter's own list comes back whole.
+    others = [p for p in sys.path if not (pathlib.Path(p or ".") / "kdtree-sglang.pth").exists()]
+    monkeypatch.setattr(sys, "path", others)
     assert info.hook_line().startswith("startup hook: not installed")
     (tmp_path / "kdtree-sglang.pth").write_text("import os\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *others])
     assert info.hook_line().startswith("startup hook: not installed")   # the .pth without its module
     shutil.copy(info.__file__.replace("info.py", "sglang/startup_hook.py"), tmp_path / "_kdtree_sglang_hook.py")
     assert info.hook_line() == (f"startup hook: {tmp_path / 'kdtree-sglang.pth'} (KDTREE_SGLANG=1 in the server's "
