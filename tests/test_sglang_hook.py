@@ -138,3 +138,16 @@ def test_the_wheel_installs_the_hook_and_only_kdtree_sglang_1_starts_it(tmp_path
     out, err = run(start + "import sys; print('HOOK', '_kdtree_sglang_hook' in sys.modules, 'kdtree' in sys.modules)\n"
                    + ROUND.format(worker="dflash_ddtree_worker"), [sg])
     assert "HOOK False False" in out and "ROUND cpu path" in out
+
+
+def test_hook_installed_late_patches_what_is_already_imported_and_only_the_named_module(tmp_path):
+    """install() after the worker module was imported patches it then; KDTREE_SGLANG_MODULE
+    narrows the watch to the module it names."""
+    sg = fake_sglang(tmp_path, "ddtree")
+    late = ("import sglang.srt.speculative.ddtree_utils as u\n" + INSTALL.format(hook=str(HOOK)) +
+            "print('LATE', u.build_ddtree_tree_from_topk.__module__)\n")
+    out, err = run(late, [sg, ROOT], {"KDTREE_SGLANG": "1"})
+    assert "LATE kdtree.sglang.builder" in out
+    out, err = run(INSTALL.format(hook=str(HOOK)) + ROUND.format(worker="ddtree_worker"), [sg, ROOT],
+                   {"KDTREE_SGLANG": "1", "KDTREE_SGLANG_MODULE": "sglang.srt.speculative.dflash_ddtree_utils"})
+    assert "ROUND cpu path" in out and "replaced" not in err   # another module named: ddtree_utils left alone

@@ -88,9 +88,10 @@ def install() -> None:
         if active():
             return
         named = os.environ.get("KDTREE_SGLANG_MODULE")
-        sys.meta_path.insert(0, WorkerFinder([named] if named else MODULES))
-        for name in list(sys.modules):   # already imported (a sitecustomize, say): patch them now
-            if name in (named,) or (not named and name in MODULES):
+        watched = (named,) if named else MODULES
+        sys.meta_path.insert(0, WorkerFinder(watched))
+        for name in watched:   # already imported (by a sitecustomize, say): patched now
+            if sys.modules.get(name) is not None:
                 patch_module(sys.modules[name])
     except Exception as e:  # noqa: BLE001 - never break interpreter start
         print(f"kdtree.sglang: the KDTREE_SGLANG startup hook failed: {type(e).__name__}: {e}", file=sys.stderr)
