@@ -129,18 +129,16 @@ def sglang_line() -> str:
     # Under KDTREE_SGLANG=1 kdtree.sglang patches on import, and the startup hook patches the
     # worker modules as they load; info only asks, so both stand aside while it looks.
     flag = os.environ.pop("KDTREE_SGLANG", None)
-    hooks = [f for f in sys.meta_path if type(f).__name__ == "WorkerFinder"]
-    for f in hooks:
-        sys.meta_path.remove(f)
     try:
         from .sglang.patch import PatchError, check_patch, imported_copies
-        mod, originals = check_patch()
+        from .sglang.startup_hook import hook_aside
+        with hook_aside():
+            mod, originals = check_patch()
     except PatchError as e:
         return f"SGLang {version}: patch() would refuse: {e}"
     finally:
         if flag is not None:
             os.environ["KDTREE_SGLANG"] = flag
-        sys.meta_path[0:0] = hooks
     names = ", ".join([f"{mod.__name__}.{n}" for n in originals] +
                       [f"{m.__name__}.{n}" for m, n in imported_copies(mod, originals)])
     return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"

@@ -6,14 +6,13 @@ that says why; nothing here installs or imitates SGLang.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import inspect
-import sys
 
 from ..sglang.patch import FUNCTIONS as WORKER_FUNCTIONS
 from ..sglang.patch import MODULES as WORKER_MODULES
+from ..sglang.startup_hook import hook_aside
 
 BUILDER = "build_ddtree_tree_from_topk"
 # Where extend_attention_fwd lives: SGLang 0.5.23's kernel namespace, then older releases'.
@@ -26,26 +25,13 @@ TRITON_PARAMS = ("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_
 TRITON_PAGE = 1   # SGLang's token pool: one slot a token (its DDTree default)
 
 
-@contextlib.contextmanager
-def _hook_aside():
-    """KDTREE_SGLANG's startup hook off sys.meta_path while SGLang's modules load, so that they
-    load as SGLang ships them (kdtree/sglang/startup_hook.py)."""
-    hooks = [f for f in sys.meta_path if type(f).__name__ == "WorkerFinder"]
-    for f in hooks:
-        sys.meta_path.remove(f)
-    try:
-        yield
-    finally:
-        sys.meta_path[0:0] = hooks
-
-
 def _find(modules, name: str, params: tuple):
     """(function, None) for the first of `modules` that imports and defines `name` whose
     parameters begin with `params`; else (None, why)."""
     tried = []
     for mod_name in modules:
         try:
-            with _hook_aside():
+            with hook_aside():
                 mod = importlib.import_module(mod_name)
         except Exception as e:  # not installed, or a dependency missing: the reason is the row's
             tried.append(f"{mod_name}: {type(e).__name__}: {e}")

@@ -9,6 +9,7 @@ the module has run ``kdtree.sglang.patch()`` switches it over; a worker that imp
 from a module patched so takes kdtree's. Nothing here may break the server's import: a refusal or
 an error is one line on stderr and the CPU path stays.
 """
+import contextlib
 import importlib.abc
 import os
 import sys
@@ -74,6 +75,19 @@ class WorkerFinder(importlib.abc.MetaPathFinder):
         if spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _PatchAfterRun(spec.loader)
         return spec
+
+
+@contextlib.contextmanager
+def hook_aside():
+    """Every WorkerFinder off sys.meta_path for the block, then back: SGLang's modules load as
+    SGLang ships them (kdtree info asks what patch() would do; the sweeps time SGLang's builder)."""
+    hooks = [f for f in sys.meta_path if type(f).__name__ == "WorkerFinder"]
+    for f in hooks:
+        sys.meta_path.remove(f)
+    try:
+        yield
+    finally:
+        sys.meta_path[0:0] = hooks
 
 
 def active() -> bool:
