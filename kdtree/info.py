@@ -74,10 +74,10 @@ def library_line() -> str:
         source = "JIT cache"
     if path.exists():
         try:
-            loader.load(path)
+            so = loader.load(path)
         except (OSError, RuntimeError) as e:
             return f"library: {path} ({source}) does not load: {e}"
-        archs = loader.build_archs(loader.load(path))
+        archs = loader.build_archs(so)
         return f"library: {path} ({source}, C ABI {loader.ABI_VERSION}; {', '.join(archs) or 'archs unknown'})"
     if source == "KDTREE_LIB":
         return f"library: KDTREE_LIB={path}: no such file (build it with `python -m kdtree build`)"
