@@ -17,11 +17,11 @@ import inspect
 import os
 import sys
 
-# Where DDTree worker modules live in the SGLang forks that carry one (spec sglang.md): the
-# DDTree worker's, then the DFlash + DDTree worker's.
-MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree_worker",
-           "sglang.srt.speculative.ddtree", "sglang.srt.speculative.dflash_ddtree_utils",
-           "sglang.srt.speculative.dflash_ddtree_worker")
+from .startup_hook import MODULES
+from .startup_hook import active as hook_active
+
+# Where DDTree worker modules live (MODULES): defined once beside the startup hook, which
+# watches them and may import nothing of kdtree's.
 # name -> (the parameters the worker's function takes, in order; those a fork adds after them,
 # each with a default, which kdtree's takes and ignores: the DFlash + DDTree fork's CPU buffers).
 FUNCTIONS = {"build_ddtree_tree_from_topk": (("top_log_probs", "top_token_ids", "budget"), ("workspace",))}
@@ -163,7 +163,7 @@ def patch_from_env():
     flag = os.environ.get("KDTREE_SGLANG", "")
     if flag in ("", "0"):
         return None
-    if any(type(f).__name__ == "WorkerFinder" for f in sys.meta_path):
+    if hook_active():
         return None   # the startup hook patches each worker module as it is imported (startup_hook.py)
     if flag != "1":
         print(f"kdtree.sglang: KDTREE_SGLANG={flag!r} ignored (expected 1 or 0)", file=sys.stderr)

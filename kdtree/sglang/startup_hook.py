@@ -14,7 +14,8 @@ import importlib.abc
 import os
 import sys
 
-# The modules kdtree.sglang.patch knows (its MODULES; tests/test_sglang_hook.py keeps the two equal).
+# Where DDTree worker modules live in the SGLang forks that carry one (spec sglang.md): the DDTree
+# worker's, then the DFlash + DDTree worker's. kdtree.sglang.patch takes them from here.
 MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree_worker",
            "sglang.srt.speculative.ddtree", "sglang.srt.speculative.dflash_ddtree_utils",
            "sglang.srt.speculative.dflash_ddtree_worker")
