@@ -148,6 +148,9 @@ __device__ __forceinline__ void share_chain_sums(const Threshold& t, int L, int 
 }
 __device__ __forceinline__ double chain_at(const Threshold& t, int d) { return t.score[1 + d]; }
 
+// LEAN: the lean row search (the one-CTA kernel: under the two-CTA kernel's 64 registers its
+// addresses spilled).
+template <bool LEAN>
 __device__ double deviation_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                          int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
@@ -171,23 +174,53 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
+  // The lean search (DEV_LEAN): a slot's count is how far its shared-memory address moved.
+  // Shar's first step (at rank keff - top) leaves a power-of-two range, so no step reads past
+  // rank keff - 1 and none needs a bound; the steps are unrolled (immediate offsets) under a
+  // uniform test (keff <= 1024: steps below 512); a pair-less slot (its sum -inf) searches
+  // row 0 for +inf and stays at 0. The counts are dev_count's.
+  const int first = keff - top;
+  unsigned row_at[START_SLOTS];
+#pragma unroll
+  for (int k = 0; k < START_SLOTS && LEAN; ++k) {
+    row_at[k] = shared_address(t.lp + (row_of[k] >= 0 ? row_of[k] : 0) * t.ld);
+    if (row_of[k] < 0) around[k] = -INFINITY;
+  }
   const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, dev_pivots(budget, (int)gridDim.x), 17, tid,
                                      [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
-    // dev_count over the lane's slots, steps outside: the slots' loads go out together.
-    int count[START_SLOTS];
-    float yf[START_SLOTS];
-#pragma unroll
-    for (int k = 0; k < START_SLOTS; ++k) { count[k] = 0; yf[k] = float_at_or_above(x - around[k]); }
-    for (int step = top; step > 0; step >>= 1)
+    if constexpr (LEAN) {
+      unsigned at[START_SLOTS];
+      float yf[START_SLOTS];
 #pragma unroll
       for (int k = 0; k < START_SLOTS; ++k) {
-        const int r = count[k] + step;
-        if (row_of[k] >= 0 && r < keff && t.lp[row_of[k] * t.ld + (r < keff ? r : keff - 1)] >= yf[k]) count[k] = r;
+        yf[k] = float_at_or_above(x - around[k]);  // +inf for a pair-less slot
+        at[k] = row_at[k] + (shared_f32(row_at[k] + 4 * first) >= yf[k] ? 4 * first : 0);
       }
 #pragma unroll
-    for (int k = 0; k < START_SLOTS; ++k) n += count[k];
-    return n;
+      for (int step = 256; step > 0; step >>= 1)
+        if (step < top)
+#pragma unroll
+          for (int k = 0; k < START_SLOTS; ++k) at[k] += shared_f32(at[k] + 4 * step) >= yf[k] ? 4 * step : 0;
+#pragma unroll
+      for (int k = 0; k < START_SLOTS; ++k) n += (int)(at[k] - row_at[k]) >> 2;
+      return n;
+    } else {
+      // dev_count over the lane's slots, steps outside: the slots' loads go out together.
+      int count[START_SLOTS];
+      float yf[START_SLOTS];
+#pragma unroll
+      for (int k = 0; k < START_SLOTS; ++k) { count[k] = 0; yf[k] = float_at_or_above(x - around[k]); }
+      for (int step = top; step > 0; step >>= 1)
+#pragma unroll
+        for (int k = 0; k < START_SLOTS; ++k) {
+          const int r = count[k] + step;
+          if (row_of[k] >= 0 && r < keff && t.lp[row_of[k] * t.ld + (r < keff ? r : keff - 1)] >= yf[k]) count[k] = r;
+        }
+#pragma unroll
+      for (int k = 0; k < START_SLOTS; ++k) n += count[k];
+      return n;
+    }
   });
   return start_safe(lo, tau);
 }
@@ -222,11 +255,13 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
 }
 
 #ifdef __CUDA_ARCH__
+template <bool WIDE>
 __device__ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                          int nthreads) {
-  return deviation_bound_device(t, L, keff, budget, tau, tid, nthreads);
+  return deviation_bound_device<WIDE && DEV_LEAN>(t, L, keff, budget, tau, tid, nthreads);
 }
 #else
+template <bool WIDE>
 inline double deviation_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
   return deviation_bound_host(t, L, keff, budget, tau);

@@ -93,6 +93,13 @@ KD_HD Pivots dev_pivots(int budget, int batch) {
              : even_pivots(budget);
 }
 
+// The one-deviation bound's row searches without bounds checks (Shar's first step), their
+// steps unrolled: its rounds are bound by issue, not latency (3.7-4.9k -> 2.0-2.4k cycles).
+#ifndef KD_DEV_LEAN
+#define KD_DEV_LEAN 1  // A/B builds: 0, the bounded search
+#endif
+constexpr bool DEV_LEAN = KD_DEV_LEAN;
+
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there. Past START_ONE_ROUND_BUDGET

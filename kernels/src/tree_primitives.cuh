@@ -40,6 +40,17 @@ inline double dsub_up(double a, double b) {
 }
 #endif
 
+#ifdef __CUDA_ARCH__
+// A shared-memory pointer as the 32-bit address ld.shared takes, and a float loaded from one:
+// a search that steps such an address costs an add a step, not a 64-bit index's conversions.
+__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ float shared_f32(unsigned a) {
+  float v;
+  asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
+  return v;
+}
+#endif
+
 // v >= y as IEEE floats (fast-math's flush-to-zero would count a subnormal y as 0).
 #ifdef __CUDA_ARCH__
 __device__ inline bool float_ge(float v, float y) {
