@@ -21,6 +21,11 @@ constexpr float NEG_INF_FLOOR = -1.0e4f;   // -inf log-probs are clamped to this
 constexpr int64_t PAD_TOKEN = 0;
 constexpr int MAX_DEVICES = 64;  // per-device tables (facts, attributes, cluster counts) hold this many
 
+// A shared-memory pointer as the 32-bit address the .shared instructions take.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+
 // What launch paths read off the current device, once per device (so launches query no
 // attributes): its index, SMs, shared memory a block may opt in to and an SM holds, compute
 // capability, and the shared memory the system reserves a block.

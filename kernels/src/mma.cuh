@@ -5,10 +5,6 @@
 
 namespace kd {
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-
 // 16-byte async copy to a shared-state-space address; src_bytes == 0 zero-fills the
 // destination (rows out of range).
 __device__ __forceinline__ void cp_async16_s(uint32_t dst, const void* src, int src_bytes) {

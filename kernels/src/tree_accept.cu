@@ -132,7 +132,7 @@ tree_accept_kernel(const int64_t* __restrict__ candidates, const Link* __restric
     group_sync();
     if (lane == 0) {
       idx[0] = (int32_t)row;
-      const uint32_t s_addr = (uint32_t)__cvta_generic_to_shared(s_row);
+      const uint32_t s_addr = smem_addr(s_row);
       k = walk([&](int32_t off) { return load_slot(s_addr + off); }, none,
                [](int32_t off) { return off / (int32_t)sizeof(Slot); }, D, max_depth, row, idx, &want);
     }

@@ -180,17 +180,17 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
   // uniform test (keff <= 1024: steps below 512); a pair-less slot (its sum -inf) searches
   // row 0 for +inf and stays at 0. The counts are dev_count's.
   const int first = keff - top;
-  unsigned row_at[START_SLOTS];
+  uint32_t row_at[START_SLOTS];
 #pragma unroll
   for (int k = 0; k < START_SLOTS && LEAN; ++k) {
-    row_at[k] = shared_address(t.lp + (row_of[k] >= 0 ? row_of[k] : 0) * t.ld);
+    row_at[k] = smem_addr(t.lp + (row_of[k] >= 0 ? row_of[k] : 0) * t.ld);
     if (row_of[k] < 0) around[k] = -INFINITY;
   }
   const double lo = pivot_rounds<32>(t, tau, (double)t.lp[0], budget, dev_pivots(budget, (int)gridDim.x), 17, tid,
                                      [&](double x, int lane) {
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     if constexpr (LEAN) {
-      unsigned at[START_SLOTS];
+      uint32_t at[START_SLOTS];
       float yf[START_SLOTS];
 #pragma unroll
       for (int k = 0; k < START_SLOTS; ++k) {

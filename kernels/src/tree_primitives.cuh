@@ -41,10 +41,9 @@ inline double dsub_up(double a, double b) {
 #endif
 
 #ifdef __CUDA_ARCH__
-// A shared-memory pointer as the 32-bit address ld.shared takes, and a float loaded from one:
-// a search that steps such an address costs an add a step, not a 64-bit index's conversions.
-__device__ __forceinline__ unsigned shared_address(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ float shared_f32(unsigned a) {
+// A float at a 32-bit shared-memory address (smem_addr): a search that steps such an address
+// costs an add a step, not a 64-bit index's conversions.
+__device__ __forceinline__ float shared_f32(uint32_t a) {
   float v;
   asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
   return v;
