@@ -86,7 +86,10 @@ constexpr int SQUARED_ROUND_BUDGET = 64;
 // The one-deviation bound's pivots: one squared round at batches up to DEV_ONE_ROUND_MAX_BATCH
 // (one ~3.5k-cycle round less, up to ~40% more candidates: a batch's time is its slowest
 // request's, so from batch 64 the candidates' tail costs more than the round).
-constexpr int DEV_ONE_ROUND_MAX_BATCH = 16;
+#ifndef KD_DEV_ONE_ROUND_MAX_BATCH
+#define KD_DEV_ONE_ROUND_MAX_BATCH 16  // A/B builds: other batch edges
+#endif
+constexpr int DEV_ONE_ROUND_MAX_BATCH = KD_DEV_ONE_ROUND_MAX_BATCH;
 KD_HD Pivots dev_pivots(int budget, int batch) {
   return budget > START_ONE_ROUND_BUDGET && budget <= SQUARED_ROUND_BUDGET && batch <= DEV_ONE_ROUND_MAX_BATCH
              ? make_pivots(START_PIVOTS, 1, true)
