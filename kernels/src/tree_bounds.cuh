@@ -274,20 +274,53 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.
 #ifdef __CUDA_ARCH__
-__device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
-                                     int nthreads) {
+// LEAN: the chain's row searches step 32-bit shared addresses (as deviation_bound's do):
+// rank r sits at row + 4 (r + 1), Shar's first step at rank keff - top leaves a power-of-two
+// range and the steps are unrolled under a uniform test; a lane past L searches for +inf.
+// The float search ends where count_children's does, and its exact check follows, so the
+// counts are count_children's.
+template <bool LEAN>
+__device__ inline double chain_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                            int nthreads) {
   const Pivots pv = chain_pivots(budget);
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
   share_chain_sums(t, L, tid);
   const double c = chain_at(t, tid & 15);
+  int top = 1;
+  if constexpr (LEAN)
+    while (2 * top <= keff) top <<= 1;
+  const int first = keff + 1 - top;
+  const uint32_t row = LEAN ? smem_addr(t.lp + min(tid & 15, L - 1) * t.ld) - 4 : 0;
   KD_PROF(16);
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
-    return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
+    if constexpr (LEAN) {
+      const float yf = d < L ? float_at_or_above(dsub_up(x, c)) : INFINITY;
+      uint32_t at = row + (float_ge(shared_f32(row + 4 * first), yf) ? 4 * first : 0);
+#pragma unroll
+      for (int step = 512; step > 0; step >>= 1)
+        if (step < top) at += float_ge(shared_f32(at + 4 * step), yf) ? 4 * step : 0;
+      const int n = (int)(at - row) >> 2;
+      const float* r = t.lp + d * t.ld;
+      const int m = d < L && n < keff && KD_DADD(c, (double)r[n]) >= x ? count_exact(r, n + 1, keff, c, x) : n;
+#ifdef KD_CHAIN_LEAN_CHECK
+      if (m != (d < L ? count_children(r, keff, c, x) : 0)) __trap();
+#endif
+      return m;
+    } else {
+      return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
+    }
   });
   return lo > tau ? lo : tau;
 }
+
+template <bool WIDE>
+__device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                     int nthreads) {
+  return chain_bound_device<WIDE && CHAIN_LEAN>(t, L, keff, budget, tau, tid, nthreads);
+}
 #else
+template <bool WIDE>
 inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
   const Pivots pv = chain_pivots(budget);
