@@ -8,18 +8,28 @@ more often?" before any GPU time is spent. CPU only.
     python3 -m kdtree build --build-dir /tmp/a
     python3 -m kdtree build --build-dir /tmp/b --extra-flags=-DKD_LEVEL_RAISE=0
     python3 scripts/tree_build_host_twin.py /tmp/a/libkdtree.so /tmp/b/libkdtree.so --budgets 256 1024
+    python3 scripts/tree_build_host_twin.py /tmp/b/libkdtree.so --fuzz 600 --seed 1
 
 Inputs as the sweep makes them (stage_a_inputs, point_seed, K = min(budget, vocab, max_topk)); the
 node buffer is the twin's, a batch of 16's (ts_capacity). A raise picks as the two-CTA kernel does;
 --linear-raise as the one-CTA-an-SM kernel (ops.tree_build_plan says which a shape runs).
+
+--fuzz SECONDS draws random requests instead (L 1-16, K 1-1024, budgets 0-1024 with their
+edges, vocabularies 2-32000 for ties, every drafter) and checks each library's selection, both
+programs, against the heap build (`kdtree.reference.tree.build_tree`): the parents, ranks,
+depths and links wherever the twin claims a result. A change to the selection can be checked
+that way before any GPU time is spent; the GPU fuzz (scripts/fuzz_gpu.py) checks the kernels.
+Exit status 1 if any selection differs; each such case is printed with what reproduces it.
 """
 import argparse
 import ctypes
+import time
 
 import numpy as np
 
 from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
+from kdtree.reference.tree import build_tree
 
 
 def load(path):
@@ -71,6 +81,61 @@ def compare(paths, drafts=DRAFTS, batches=(16, 64, 256), budgets=(64, 128, 256, 
     return rows
 
 
+FUZZ_BUDGETS = (0, 1, 2, 3, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128, 129, 255, 256, 257, 511, 512,
+                1000, 1024)
+
+
+def fuzz_case(rng) -> dict:
+    """A random request's parameters; fuzz_inputs makes its rows from them."""
+    budget = int(rng.choice(FUZZ_BUDGETS))
+    vocab = int(rng.choice([2, 3, 7, 50, 300, 4000, 32000]))
+    topk = int(rng.choice([1, 2, 8, 31, 32, 33, 64, 128, 256, 300, max(budget, 1), 1024]))
+    return dict(L=int(rng.integers(1, 17)), K=min(vocab, topk), vocab=vocab, budget=budget,
+                drafts=str(rng.choice(DRAFTS)), coarse=float(rng.choice([0.0, 0.3, 1.0])),
+                seed=int(rng.integers(1 << 30)))
+
+
+def fuzz_inputs(case):
+    """The case's rows f32 [L, K] and ids (each rank's own index, so ranks read as tokens)."""
+    lp, _ = stage_a_inputs(1, case["L"], case["vocab"], case["K"], seed=case["seed"],
+                           coarse_fraction=case["coarse"], drafts=case["drafts"])
+    lp = lp[0].numpy()
+    return lp, np.tile(np.arange(lp.shape[1], dtype=np.int64), (lp.shape[0], 1))
+
+
+def same_as_heap(run, lp, ids, budget) -> bool:
+    """A select() result against the heap build: equal, or refused (n < 0: the kernel then
+    runs the warp loop, which the GPU tests check)."""
+    n, outs, _ = run
+    if n < 0:
+        return True
+    t = build_tree(lp, ids, budget)
+    parents, ranks, depths, next_token, next_sibling = (o[:n + 1] for o in outs)
+    return (n == len(t.parents) - 1 and np.array_equal(parents, t.parents) and np.array_equal(ranks[1:], t.tokens)
+            and np.array_equal(depths[1:], t.depths) and np.array_equal(next_token, t.next_token)
+            and np.array_equal(next_sibling, t.next_sibling))
+
+
+def fuzz(paths, seconds, seed=0) -> dict:
+    """Random requests for `seconds`; every library, both programs, against the heap build."""
+    fs = [load(p) for p in paths]
+    rng, t0 = np.random.default_rng(seed), time.monotonic()
+    tally = dict(cases=0, selections=0, refused=0, laid=0, differ=[])
+    while time.monotonic() - t0 < seconds:
+        case = fuzz_case(rng)
+        lp, ids = fuzz_inputs(case)
+        for i, f in enumerate(fs):
+            for linear_raise in (False, True):
+                run = select(f, lp, case["budget"], linear_raise)
+                tally["selections"] += 1
+                tally["refused"] += run[0] < 0
+                tally["laid"] += run[0] >= 0 and run[2][2] > 0
+                if not same_as_heap(run, lp, ids, case["budget"]):
+                    tally["differ"].append(dict(case, library=i, linear_raise=linear_raise))
+        tally["cases"] += 1
+    return tally
+
+
 def main():
     a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a.add_argument("libraries", nargs="+", help="libkdtree.so builds; the first is the base")
@@ -82,7 +147,17 @@ def main():
     a.add_argument("--linear-raise", action="store_true",
                    help="the one-CTA-an-SM kernel's program (ops.tree_build_plan's 'wide'): its raise and "
                         "the one-deviation layout")
+    a.add_argument("--fuzz", type=float, metavar="SECONDS",
+                   help="random requests for this long, each library against the heap build")
+    a.add_argument("--seed", type=int, default=0, help="the fuzz's seed")
     args = a.parse_args()
+    if args.fuzz is not None:
+        t = fuzz(args.libraries, args.fuzz, args.seed)
+        for d in t["differ"]:
+            print(f"DIFFERS from the heap build: {d}")
+        print(f"{t['cases']} requests, {t['selections']} selections: {len(t['differ'])} differ from the heap "
+              f"build, {t['refused']} refused (warp loop), {t['laid']} laid out at once")
+        raise SystemExit(1 if t["differ"] else 0)
     rows = compare(args.libraries, args.drafts, args.batches, args.budgets, args.max_topk, vocab=args.vocab,
                    linear_raise=args.linear_raise)
     for r in rows:

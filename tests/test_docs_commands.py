@@ -89,6 +89,8 @@ COVERED = {
     "scripts/fuzz_gpu.py": ("gpu", "session 61's fuzzing campaigns on the H200 (docs/kernels/README.md's record)"),
     "scripts/fuzz_gpu.py --seconds N --out F.jsonl": ("gpu", "the same campaigns' form (ab/run127.sh, ab/run128.sh)"),
     "scripts/tree_build_host_twin.py": ("run", "test_host_twin_script_compares_libraries (tests/test_kernel_host.py)"),
+    "scripts/tree_build_host_twin.py LIB --fuzz SECONDS": ("run", "test_host_twin_fuzz_checks_against_the_heap_build "
+                                                            "(tests/test_kernel_host.py)"),
     "scripts/tree_build_host_time.py": ("gpu", "session 52 ran it on the H200 (docs/results.md's caller-latency lines)"),
     "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
                                               "docs/kernels/verify_attention.md)"),

@@ -556,6 +556,41 @@ def test_host_twin_script_compares_libraries(lib_path):
         assert base[8] == "0"   # the two-CTA kernel's program (no --linear-raise) never lays out at once
 
 
+def test_host_twin_fuzz_checks_against_the_heap_build(lib_path):
+    """scripts/tree_build_host_twin.py --fuzz: random requests, both programs, every
+    selection equal to the heap build's, and the summary says how many ran."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, str(root / "scripts" / "tree_build_host_twin.py"), str(lib_path),
+                        "--fuzz", "4", "--seed", "5"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.fullmatch(r"(\d+) requests, (\d+) selections: 0 differ from the heap build, (\d+) refused \(warp loop\), "
+                     r"(\d+) laid out at once", r.stdout.strip())
+    assert m, r.stdout
+    requests, selections = int(m[1]), int(m[2])
+    assert requests >= 20 and selections == 2 * requests
+
+
+def test_host_twin_fuzz_check_fails_on_a_wrong_selection(lib_path):
+    """The fuzz's comparison is not vacuous: one changed rank, parent or link, or a node
+    short, and the selection no longer equals the heap build's."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(root / "scripts"))
+    try:
+        import tree_build_host_twin as twin
+    finally:
+        sys.path.remove(str(root / "scripts"))
+    f = twin.load(lib_path)
+    case = dict(L=6, K=40, vocab=4000, budget=30, drafts="mixed", coarse=0.3, seed=11)
+    lp, ids = twin.fuzz_inputs(case)
+    run = twin.select(f, lp, case["budget"])
+    assert run[0] == 30 and twin.same_as_heap(run, lp, ids, case["budget"])
+    for field in range(5):   # parents, ranks, depths, next_token, next_sibling
+        outs = [o.copy() for o in run[1]]
+        outs[field][run[0]] += 1
+        assert not twin.same_as_heap((run[0], outs, run[2]), lp, ids, case["budget"]), field
+    assert not twin.same_as_heap((run[0] - 1, run[1], run[2]), lp, ids, case["budget"])
+
+
 def test_info_loads_the_library_it_names(lib_path, monkeypatch):
     """`python -m kdtree info` on a built library: it loads, with this package's C ABI, and says
     the archs it was built for, which decide what each GPU runs."""
