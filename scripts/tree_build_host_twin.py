@@ -15,7 +15,8 @@ node buffer is the twin's, a batch of 16's (ts_capacity). A raise picks as the t
 --linear-raise as the one-CTA-an-SM kernel (ops.tree_build_plan says which a shape runs).
 
 --fuzz SECONDS draws random requests instead (L 1-16, K 1-1024, budgets 0-1024 with their
-edges, vocabularies 2-32000 for ties, every drafter) and checks each library's selection, both
+edges, vocabularies 2-32000 for ties, every drafter; a tenth each with -inf tails, sums that
+are not exact, or exact ties at many magnitudes: FUZZ_ROWS) and checks each library's selection, both
 programs, against the heap build (`kdtree.reference.tree.build_tree`): the parents, ranks,
 depths and links wherever the twin claims a result. A change to the selection can be checked
 that way before any GPU time is spent; the GPU fuzz (scripts/fuzz_gpu.py) checks the kernels.
@@ -92,7 +93,13 @@ def fuzz_case(rng) -> dict:
     topk = int(rng.choice([1, 2, 8, 31, 32, 33, 64, 128, 256, 300, max(budget, 1), 1024]))
     return dict(L=int(rng.integers(1, 17)), K=min(vocab, topk), vocab=vocab, budget=budget,
                 drafts=str(rng.choice(DRAFTS)), coarse=float(rng.choice([0.0, 0.3, 1.0])),
-                seed=int(rng.integers(1 << 30)))
+                rows=str(rng.choice(FUZZ_ROWS, p=[0.7, 0.1, 0.1, 0.1])), seed=int(rng.integers(1 << 30)))
+
+
+# The drafter's rows as they come, or made harder for the certificate: -inf past a random
+# rank in half the rows (the clamp), magnitudes of 1e-30 to 1e4 (sums that are not exact:
+# the selection must refuse them), or a few exact values at many magnitudes (ties at sums).
+FUZZ_ROWS = ("drafter", "-inf tails", "wide range", "exact ties")
 
 
 def fuzz_inputs(case):
@@ -100,6 +107,18 @@ def fuzz_inputs(case):
     lp, _ = stage_a_inputs(1, case["L"], case["vocab"], case["K"], seed=case["seed"],
                            coarse_fraction=case["coarse"], drafts=case["drafts"])
     lp = lp[0].numpy()
+    rng = np.random.default_rng(case["seed"])
+    if case["rows"] == "-inf tails":
+        for d in range(lp.shape[0]):
+            if lp.shape[1] > 1 and rng.random() < 0.5:
+                lp[d, int(rng.integers(1, lp.shape[1])):] = -np.inf
+    elif case["rows"] == "wide range":
+        scale = (10.0 ** rng.uniform(-30, 4, size=lp.shape)).astype(np.float32)
+        lp = -np.sort(np.abs(lp * scale), axis=1)
+    elif case["rows"] == "exact ties":
+        values = np.array([0, 2.0 ** -20, 1e-8, 0.5, 1, 3, 7e3], np.float32)
+        lp = -np.sort(rng.choice(values, size=lp.shape), axis=1)
+    lp = np.ascontiguousarray(lp, dtype=np.float32)
     return lp, np.tile(np.arange(lp.shape[1], dtype=np.int64), (lp.shape[0], 1))
 
 

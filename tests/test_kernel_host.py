@@ -580,7 +580,7 @@ def test_host_twin_fuzz_check_fails_on_a_wrong_selection(lib_path):
     finally:
         sys.path.remove(str(root / "scripts"))
     f = twin.load(lib_path)
-    case = dict(L=6, K=40, vocab=4000, budget=30, drafts="mixed", coarse=0.3, seed=11)
+    case = dict(L=6, K=40, vocab=4000, budget=30, drafts="mixed", coarse=0.3, rows="drafter", seed=11)
     lp, ids = twin.fuzz_inputs(case)
     run = twin.select(f, lp, case["budget"])
     assert run[0] == 30 and twin.same_as_heap(run, lp, ids, case["budget"])
