@@ -102,8 +102,15 @@ KD_HD void dev_pair(int q, int* a, int* b) {
   *b = e - *a;
 }
 
+// The highest power of two <= n (1 where n < 2): a power-of-two search's first step.
+KD_HD int pow2_at_most(int n) {
+  int p = 1;
+  while (2 * p <= n) p <<= 1;
+  return p;
+}
+
 // How many r in [1, keff) of a sorted row have row[r] >= y (yf = float_at_or_above(y)):
-// a branch-free search in power-of-two steps (top: the highest power of two <= keff - 1),
+// a branch-free search in power-of-two steps (top = pow2_at_most(keff - 1)),
 // so that a lane's searches can be interleaved.
 KD_HD int dev_count(const float* row, int keff, int top, float yf) {
   int count = 0;
@@ -148,6 +155,28 @@ __device__ __forceinline__ void share_chain_sums(const Threshold& t, int L, int 
 }
 __device__ __forceinline__ double chain_at(const Threshold& t, int d) { return t.score[1 + d]; }
 
+// The lean search over N sorted rows at once (the one-CTA kernel's bounds): at[k] is the
+// 32-bit shared address (smem_addr) of rank 0 of a range whose ranks 1 .. n are searched, and
+// moves 4 bytes for each rank r with ge(value at r, y(k)). Shar's first step, at rank
+// first = n + 1 - top (top = pow2_at_most(n)), leaves a power-of-two range, so no step reads
+// past rank n and none tests a bound; the steps are unrolled from MAX_STEP under a uniform test
+// (immediate offsets): the rounds are bound by issue, not latency. ge is the compare of the
+// count the search stands for (dev_count's >=, count_children's float_ge).
+template <int N, int MAX_STEP, class Y, class Ge>
+__device__ __forceinline__ void lean_search(uint32_t (&at)[N], int first, int top, Y y, Ge ge) {
+  float yf[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    yf[k] = y(k);
+    at[k] += ge(shared_f32(at[k] + 4 * first), yf[k]) ? 4 * first : 0;
+  }
+#pragma unroll
+  for (int step = MAX_STEP; step > 0; step >>= 1)
+    if (step < top)
+#pragma unroll
+      for (int k = 0; k < N; ++k) at[k] += ge(shared_f32(at[k] + 4 * step), yf[k]) ? 4 * step : 0;
+}
+
 // LEAN: the lean row search (the one-CTA kernel: under the two-CTA kernel's 64 registers its
 // addresses spilled).
 template <bool LEAN>
@@ -155,8 +184,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
                                          int nthreads) {
   if (nthreads < 32 * START_PIVOTS) return tau;  // a warp a pivot
   const int lane = tid & 31, np = L * (L + 1) / 2;
-  int top = 1;
-  while (2 * top <= keff - 1) top <<= 1;
+  const int top = pow2_at_most(keff - 1);
   // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
   share_chain_sums(t, L, tid);
   const double c = chain_at(t, min(lane, KEY_DEPTH));
@@ -174,11 +202,9 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     around[k] = ca + (cb - c1);
   }
   KD_PROF(16);
-  // The lean search (DEV_LEAN): a slot's count is how far its shared-memory address moved.
-  // Shar's first step (at rank keff - top) leaves a power-of-two range, so no step reads past
-  // rank keff - 1 and none needs a bound; the steps are unrolled (immediate offsets) under a
-  // uniform test (keff <= 1024: steps below 512); a pair-less slot (its sum -inf) searches
-  // row 0 for +inf and stays at 0. The counts are dev_count's.
+  // The lean search (DEV_LEAN) over ranks 1 .. keff - 1 of each slot's row (keff <= 1024:
+  // steps below 512); a pair-less slot (its sum -inf) searches row 0 for +inf and stays at 0.
+  // The counts are dev_count's.
   const int first = keff - top;
   uint32_t row_at[START_SLOTS];
 #pragma unroll
@@ -191,17 +217,10 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
     int n = lane >= 1 && lane <= L && c >= x;  // the chain node 0^lane
     if constexpr (LEAN) {
       uint32_t at[START_SLOTS];
-      float yf[START_SLOTS];
 #pragma unroll
-      for (int k = 0; k < START_SLOTS; ++k) {
-        yf[k] = float_at_or_above(x - around[k]);  // +inf for a pair-less slot
-        at[k] = row_at[k] + (shared_f32(row_at[k] + 4 * first) >= yf[k] ? 4 * first : 0);
-      }
-#pragma unroll
-      for (int step = 256; step > 0; step >>= 1)
-        if (step < top)
-#pragma unroll
-          for (int k = 0; k < START_SLOTS; ++k) at[k] += shared_f32(at[k] + 4 * step) >= yf[k] ? 4 * step : 0;
+      for (int k = 0; k < START_SLOTS; ++k) at[k] = row_at[k];
+      lean_search<START_SLOTS, 256>(at, first, top, [&](int k) { return float_at_or_above(x - around[k]); },
+                                    [](float v, float y) { return v >= y; });
 #pragma unroll
       for (int k = 0; k < START_SLOTS; ++k) n += (int)(at[k] - row_at[k]) >> 2;
       return n;
@@ -237,8 +256,7 @@ inline double deviation_bound_host(const Threshold& t, int L, int keff, int budg
   double cs[KEY_DEPTH + 1];
   chain_sums_host(t, L, cs);
   const int np = L * (L + 1) / 2;
-  int top = 1;
-  while (2 * top <= keff - 1) top <<= 1;
+  const int top = pow2_at_most(keff - 1);
   // The host build stands for a batch of requests past every gate (its node buffer is the
   // batched one too).
   const double lo = pivot_rounds_host(tau, (double)t.lp[0], budget, dev_pivots(budget, DEV_ONE_ROUND_MAX_BATCH + 1), [&](double x) {
@@ -274,11 +292,10 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.
 #ifdef __CUDA_ARCH__
-// LEAN: the chain's row searches step 32-bit shared addresses (as deviation_bound's do):
-// rank r sits at row + 4 (r + 1), Shar's first step at rank keff - top leaves a power-of-two
-// range and the steps are unrolled under a uniform test; a lane past L searches for +inf.
-// The float search ends where count_children's does, and its exact check follows, so the
-// counts are count_children's.
+// LEAN: the chain's row searches by lean_search, the row's base one float early (rank r at
+// row + 4 (r + 1), so ranks 0 .. keff - 1 are searched; keff <= 1024); a lane past L searches
+// for +inf. The float search ends where count_children's does, and its exact check follows,
+// so the counts are count_children's.
 template <bool LEAN>
 __device__ inline double chain_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                             int nthreads) {
@@ -287,20 +304,16 @@ __device__ inline double chain_bound_device(const Threshold& t, int L, int keff,
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
   share_chain_sums(t, L, tid);
   const double c = chain_at(t, tid & 15);
-  int top = 1;
-  if constexpr (LEAN)
-    while (2 * top <= keff) top <<= 1;
+  const int top = LEAN ? pow2_at_most(keff) : 1;
   const int first = keff + 1 - top;
   const uint32_t row = LEAN ? smem_addr(t.lp + min(tid & 15, L - 1) * t.ld) - 4 : 0;
   KD_PROF(16);
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
     if constexpr (LEAN) {
-      const float yf = d < L ? float_at_or_above(dsub_up(x, c)) : INFINITY;
-      uint32_t at = row + (float_ge(shared_f32(row + 4 * first), yf) ? 4 * first : 0);
-#pragma unroll
-      for (int step = 512; step > 0; step >>= 1)
-        if (step < top) at += float_ge(shared_f32(at + 4 * step), yf) ? 4 * step : 0;
-      const int n = (int)(at - row) >> 2;
+      uint32_t at[1] = {row};
+      lean_search<1, 512>(at, first, top, [&](int) { return d < L ? float_at_or_above(dsub_up(x, c)) : INFINITY; },
+                          float_ge);
+      const int n = (int)(at[0] - row) >> 2;
       const float* r = t.lp + d * t.ld;
       const int m = d < L && n < keff && KD_DADD(c, (double)r[n]) >= x ? count_exact(r, n + 1, keff, c, x) : n;
 #ifdef KD_CHAIN_LEAN_CHECK
