@@ -122,13 +122,13 @@ def fuzz_inputs(case):
     return lp, np.tile(np.arange(lp.shape[1], dtype=np.int64), (lp.shape[0], 1))
 
 
-def same_as_heap(run, lp, ids, budget) -> bool:
-    """A select() result against the heap build: equal, or refused (n < 0: the kernel then
-    runs the warp loop, which the GPU tests check)."""
+def same_as_heap(run, t) -> bool:
+    """A select() result against the heap build's tree t (build_tree over the fuzz_inputs
+    ids): equal, or refused (n < 0: the kernel then runs the warp loop, which the GPU tests
+    check)."""
     n, outs, _ = run
     if n < 0:
         return True
-    t = build_tree(lp, ids, budget)
     parents, ranks, depths, next_token, next_sibling = (o[:n + 1] for o in outs)
     return (n == len(t.parents) - 1 and np.array_equal(parents, t.parents) and np.array_equal(ranks[1:], t.tokens)
             and np.array_equal(depths[1:], t.depths) and np.array_equal(next_token, t.next_token)
@@ -143,13 +143,14 @@ def fuzz(paths, seconds, seed=0) -> dict:
     while time.monotonic() - t0 < seconds:
         case = fuzz_case(rng)
         lp, ids = fuzz_inputs(case)
+        heap = build_tree(lp, ids, case["budget"])
         for i, f in enumerate(fs):
             for linear_raise in (False, True):
                 run = select(f, lp, case["budget"], linear_raise)
                 tally["selections"] += 1
                 tally["refused"] += run[0] < 0
                 tally["laid"] += run[0] >= 0 and run[2][2] > 0
-                if not same_as_heap(run, lp, ids, case["budget"]):
+                if not same_as_heap(run, heap):
                     tally["differ"].append(dict(case, library=i, linear_raise=linear_raise))
         tally["cases"] += 1
     return tally

@@ -1,6 +1,7 @@
 """The kernel library without a GPU: the ninja build, and the kernel's own selection
 code (tree_select.cuh, compiled for the host) against the CPU reference."""
 import ctypes
+import importlib.util
 import os
 import pathlib
 import re
@@ -574,21 +575,19 @@ def test_host_twin_fuzz_check_fails_on_a_wrong_selection(lib_path):
     """The fuzz's comparison is not vacuous: one changed rank, parent or link, or a node
     short, and the selection no longer equals the heap build's."""
     root = pathlib.Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root / "scripts"))
-    try:
-        import tree_build_host_twin as twin
-    finally:
-        sys.path.remove(str(root / "scripts"))
+    spec = importlib.util.spec_from_file_location("tree_build_host_twin", root / "scripts" / "tree_build_host_twin.py")
+    twin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(twin)
     f = twin.load(lib_path)
     case = dict(L=6, K=40, vocab=4000, budget=30, drafts="mixed", coarse=0.3, rows="drafter", seed=11)
     lp, ids = twin.fuzz_inputs(case)
-    run = twin.select(f, lp, case["budget"])
-    assert run[0] == 30 and twin.same_as_heap(run, lp, ids, case["budget"])
+    run, heap = twin.select(f, lp, case["budget"]), build_tree(lp, ids, case["budget"])
+    assert run[0] == 30 and twin.same_as_heap(run, heap)
     for field in range(5):   # parents, ranks, depths, next_token, next_sibling
         outs = [o.copy() for o in run[1]]
         outs[field][run[0]] += 1
-        assert not twin.same_as_heap((run[0], outs, run[2]), lp, ids, case["budget"]), field
-    assert not twin.same_as_heap((run[0] - 1, run[1], run[2]), lp, ids, case["budget"])
+        assert not twin.same_as_heap((run[0], outs, run[2]), heap), field
+    assert not twin.same_as_heap((run[0] - 1, run[1], run[2]), heap)
 
 
 def test_info_loads_the_library_it_names(lib_path, monkeypatch):
