@@ -14,7 +14,8 @@ from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
 ROOT = pathlib.Path(__file__).resolve().parent
-PTH_LINE = 'import os; os.environ.get("KDTREE_SGLANG") == "1" and __import__("_kdtree_sglang_hook").install()'
+PTH_LINE = ('import os; "1" in (os.environ.get("KDTREE_SGLANG"), os.environ.get("KDTREE_SGLANG_ATTENTION")) '
+            'and __import__("_kdtree_sglang_hook").install()')
 
 
 class BuildPy(build_py):
@@ -26,7 +27,7 @@ class BuildPy(build_py):
         shutil.rmtree(pkg / "_lib", ignore_errors=True)
         shutil.rmtree(pkg / "_kernels", ignore_errors=True)
         shutil.copytree(ROOT / "kernels", pkg / "_kernels", ignore=shutil.ignore_patterns("*.md"))
-        # KDTREE_SGLANG=1's startup hook: a top-level module that imports nothing heavy, and the
+        # The startup hook of KDTREE_SGLANG=1 and KDTREE_SGLANG_ATTENTION=1: a top-level module that imports nothing heavy, and the
         # .pth line that installs it at interpreter start (kdtree/sglang/startup_hook.py).
         shutil.copy2(ROOT / "kdtree" / "sglang" / "startup_hook.py", pkg.parent / "_kdtree_sglang_hook.py")
         (pkg.parent / "kdtree-sglang.pth").write_text(PTH_LINE + "\n")

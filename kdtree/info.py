@@ -144,6 +144,28 @@ def sglang_line() -> str:
     return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"
 
 
+def attention_line() -> str | None:
+    """What patch_attention() (KDTREE_SGLANG_ATTENTION=1) would replace, where SGLang is installed."""
+    try:
+        importlib.import_module("sglang")
+    except ImportError:
+        return None   # sglang_line says so
+    flag = os.environ.pop("KDTREE_SGLANG_ATTENTION", None)
+    try:
+        from .sglang.backend import check_attention_patch
+        from .sglang.patch import PatchError
+        from .sglang.startup_hook import hook_aside
+        with hook_aside():
+            cls, _ = check_attention_patch()
+    except PatchError as e:
+        return f"SGLang attention: patch_attention() would refuse: {e}"
+    finally:
+        if flag is not None:
+            os.environ["KDTREE_SGLANG_ATTENTION"] = flag
+    return (f"SGLang attention: patch_attention() (or KDTREE_SGLANG_ATTENTION=1) would replace "
+            f"{cls.__module__}.{cls.__name__}.forward_extend (MLA tree verify on kdtree's kernel)")
+
+
 def hook_line() -> str:
     """Whether KDTREE_SGLANG=1 alone switches a server over: the startup hook and its .pth,
     which an install from a wheel or `pip install .` puts in site-packages."""
@@ -154,7 +176,7 @@ def hook_line() -> str:
         return ("startup hook: not installed (an editable install): under KDTREE_SGLANG=1 the server must "
                 "`import kdtree.sglang` itself, or call kdtree.sglang.patch()")
     return (f"startup hook: {pth} (KDTREE_SGLANG=1 in the server's environment switches the worker over "
-            "when the server imports it)")
+            "when the server imports it, KDTREE_SGLANG_ATTENTION=1 the Triton backend's tree verify)")
 
 
 def report(devices=None) -> list[str]:
@@ -164,4 +186,5 @@ def report(devices=None) -> list[str]:
 
     py = ".".join(map(str, sys.version_info[:3]))
     return [f"kdtree {__version__}, Python {py}, torch {torch.__version__}", library_line(),
-            *gpu_lines(torch_devices() if devices is None else devices, library_archs()), sglang_line(), hook_line()]
+            *gpu_lines(torch_devices() if devices is None else devices, library_archs()), sglang_line(),
+            *filter(None, [attention_line()]), hook_line()]

@@ -90,6 +90,27 @@ def test_sglang_line_says_what_patch_would_do_and_does_not_do_it(monkeypatch):
     assert line.startswith("SGLang 0.5.99: patch() would refuse") and "expected parameters" in line
 
 
+def test_attention_line_says_what_patch_attention_would_do(monkeypatch):
+    assert info.attention_line() is None   # no SGLang: sglang_line says so
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(__version__="0.5.99"))
+    mod = types.ModuleType("sglang.srt.layers.attention.triton_backend")
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    assert info.attention_line().startswith("SGLang attention: patch_attention() would refuse: ")
+
+    class TritonAttnBackend:
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):
+            return "triton"
+
+    TritonAttnBackend.__module__ = mod.__name__
+    mod.TritonAttnBackend = TritonAttnBackend
+    original = TritonAttnBackend.forward_extend
+    assert info.attention_line() == (
+        "SGLang attention: patch_attention() (or KDTREE_SGLANG_ATTENTION=1) would replace "
+        "sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend (MLA tree verify on kdtree's "
+        "kernel)")
+    assert TritonAttnBackend.forward_extend is original   # nothing replaced
+
+
 def test_info_command_prints_the_report(capsys):
     assert main(["info"]) in (None, 0)
     out = capsys.readouterr().out.splitlines()
@@ -110,7 +131,8 @@ def test_hook_line_finds_the_pth_and_the_hook_on_the_path(tmp_path, monkeypatch)
     assert info.hook_line().startswith("startup hook: not installed")   # the .pth without its module
     shutil.copy(info.__file__.replace("info.py", "sglang/startup_hook.py"), tmp_path / "_kdtree_sglang_hook.py")
     assert info.hook_line() == (f"startup hook: {tmp_path / 'kdtree-sglang.pth'} (KDTREE_SGLANG=1 in the server's "
-                                "environment switches the worker over when the server imports it)")
+                                "environment switches the worker over when the server imports it, "
+                                "KDTREE_SGLANG_ATTENTION=1 the Triton backend's tree verify)")
 
 
 def test_info_under_kdtree_sglang_1_only_asks(tmp_path):

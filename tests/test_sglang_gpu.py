@@ -268,3 +268,65 @@ def test_sglang_triton_peer_reads_the_same_attention(B, D, H, P):
     want, _ = verify_attention_ref(q, cache, table, seq, vis, SCALE)
     err = (out.double() - want).abs().max().item()
     assert err < 2e-2, err
+
+
+def _close(got, want):
+    """A layer's bf16 output against the float64 reference: relative norm, no NaN."""
+    g = got.double().cpu()
+    return not torch.isnan(g).any() and float((g - want).norm() / want.norm()) <= 5e-3
+
+
+def test_attention_patch_runs_the_kernel_on_sglangs_metadata():
+    """SGLang's Triton backend (the stand-in of tests/sglang_backend.py) patched: every layer of
+    a target-verify forward on kdtree's kernel (q as [tokens, H * 576], a uint8 mask, ragged
+    prefixes with one of 0, rows out of order, verify slots NaN until their layer writes them),
+    against the float64 attention; a second forward at another batch size prepares its own."""
+    import sglang_backend as sb  # tests/sglang_backend.py
+    from kdtree.sglang import backend
+
+    H, q = 8, 17
+    with backend.patch_attention(sb.TritonAttnBackend, verbose=False) as p:
+        for bs, prefixes, seed in ((3, [700, 0, 65], 11), (1, [2100], 12)):
+            case = sb.verify_forward(bs, q, H, prefixes, 3, DEV, seed=seed, mask_dtype=torch.uint8)
+            be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
+            be.init_forward_metadata(case.fb)
+            got = sb.run_layers(be, case, H)
+            assert be.calls == 0
+            for g, w in zip(got, sb.reference_outputs(case, q, H)):
+                assert g.shape == (bs * q, H * 512) and _close(g, w)
+        assert p.taken == 6 and not p.left
+
+
+def test_attention_patch_forward_replays_in_a_cuda_graph():
+    """A patched forward captured once (SGLang's graph runner: static metadata buffers), then
+    replayed on another forward's rows, prefixes, tree, pool and inputs written into them: the
+    per-forward metadata is part of the graph, each layer the kernel alone."""
+    import sglang_backend as sb  # tests/sglang_backend.py
+    from kdtree.sglang import backend
+
+    H, q, bs = 8, 9, 3
+    # Prefix totals equal, so every buffer keeps its shape between the two forwards.
+    a = sb.verify_forward(bs, q, H, [700, 0, 65], 4, DEV, seed=21, mask_dtype=torch.uint8, width=800)
+    b = sb.verify_forward(bs, q, H, [5, 700, 60], 4, DEV, seed=22, mask_dtype=torch.uint8, width=800)
+    be = sb.TritonAttnBackend(a.pool, a.req_to_token, q)
+    be.init_forward_metadata(a.fb)
+    want_b = sb.reference_outputs(b, q, H)
+    with backend.patch_attention(sb.TritonAttnBackend, verbose=False) as p:
+        graph, outs = capture_graph(lambda: sb.run_layers(be, a, H))
+        graph.replay()   # the captured forward's own inputs first
+        torch.cuda.synchronize()
+        for g, w in zip(outs, sb.reference_outputs(a, q, H)):
+            assert _close(g, w)
+        mask_indptr = torch.zeros(bs + 1, dtype=torch.int64)
+        mask_indptr[1:] = torch.cumsum(q * (torch.tensor(b.prefixes) + q), 0)
+        for dst, src in [*zip(a.pool.kv, b.pool.kv), *zip(a.qs, b.qs), *zip(a.ks, b.ks),
+                         (a.req_to_token, b.req_to_token), (a.fb.req_pool_indices, b.fb.req_pool_indices),
+                         (a.fb.seq_lens, b.fb.seq_lens), (a.fb.out_cache_loc, b.fb.out_cache_loc),
+                         (a.fb.spec_info.custom_mask, b.fb.spec_info.custom_mask),
+                         (be.forward_metadata.mask_indptr, mask_indptr)]:
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        for g, w in zip(outs, want_b):
+            assert _close(g, w)
+        assert be.calls == 0 and not p.left

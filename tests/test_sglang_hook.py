@@ -37,6 +37,26 @@ def fake_sglang(root: pathlib.Path, layout: str, sig="(top_log_probs, top_token_
     return root
 
 
+def fake_backend(root: pathlib.Path) -> pathlib.Path:
+    """SGLang's Triton attention backend module beside the stand-in worker (`fake_sglang`)."""
+    att = root / "sglang" / "srt" / "layers" / "attention"
+    att.mkdir(parents=True)
+    for d in (root / "sglang", root / "sglang" / "srt", att.parent, att):
+        if not (d / "__init__.py").exists():
+            (d / "__init__.py").write_text("")
+    (att / "triton_backend.py").write_text(
+        "class TritonAttnBackend:\n"
+        "    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):\n"
+        "        return 'triton'\n")
+    return root
+
+
+# Whether the backend's method is kdtree's, after the server imported it.
+BACKEND = """
+import sglang.srt.layers.attention.triton_backend as t
+print("BACKEND", "kdtree" if getattr(t.TritonAttnBackend.forward_extend, "_kdtree_original", None) else "sglang")
+"""
+
 # The worker's round on CPU inputs: kdtree's builder gives the 7-tuple, the stand-in a string.
 ROUND = """
 import sys
@@ -138,6 +158,27 @@ def test_the_wheel_installs_the_hook_and_only_kdtree_sglang_1_starts_it(tmp_path
     out, err = run(start + "import sys; print('HOOK', '_kdtree_sglang_hook' in sys.modules, 'kdtree' in sys.modules)\n"
                    + ROUND.format(worker="dflash_ddtree_worker"), [sg])
     assert "HOOK False False" in out and "ROUND cpu path" in out
+    fake_backend(sg)   # KDTREE_SGLANG_ATTENTION=1 alone: the backend switched, the worker not
+    out, err = run(start + ROUND.format(worker="dflash_ddtree_worker") + BACKEND, [sg],
+                   {"KDTREE_SGLANG_ATTENTION": "1"})
+    assert "ROUND cpu path" in out and "BACKEND kdtree" in out and err.count("replaced") == 1
+
+
+def test_hook_switches_the_attention_backend_only_under_its_own_variable(tmp_path):
+    """KDTREE_SGLANG_ATTENTION=1: the Triton backend's forward_extend is kdtree's once its
+    module has run; KDTREE_SGLANG=1 alone leaves it to SGLang; both switch both."""
+    sg = fake_backend(fake_sglang(tmp_path, "ddtree"))
+    code = INSTALL.format(hook=str(HOOK)) + ROUND.format(worker="ddtree_worker") + BACKEND
+    out, err = run(code, [sg, ROOT], {"KDTREE_SGLANG_ATTENTION": "1"})
+    assert "ROUND cpu path" in out and "BACKEND kdtree" in out
+    assert "replaced sglang.srt.layers.attention.triton_backend.TritonAttnBackend.forward_extend" in err
+    out, err = run(code, [sg, ROOT], {"KDTREE_SGLANG": "1"})
+    assert "ROUND kdtree" in out and "BACKEND sglang" in out
+    out, err = run(code, [sg, ROOT], {"KDTREE_SGLANG": "1", "KDTREE_SGLANG_ATTENTION": "1"})
+    assert "ROUND kdtree" in out and "BACKEND kdtree" in out and err.count("replaced") == 2
+    code = INSTALL.format(hook=str(HOOK)) + "import kdtree.sglang\n" + BACKEND   # import-time patch defers
+    out, err = run(code, [sg, ROOT], {"KDTREE_SGLANG_ATTENTION": "1"})
+    assert "BACKEND kdtree" in out and err.count("replaced") == 1 and "not patched" not in err
 
 
 def test_hook_installed_late_patches_what_is_already_imported_and_only_the_named_module(tmp_path):

@@ -12,6 +12,7 @@ from kdtree.harness.sweeps import tree_build, verify_attn
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.sglang import reference as sglang_ref
 from kdtree.harness.workloads import stage_a_inputs
+from sglang_backend import fake_extend_attention_fwd  # tests/sglang_backend.py
 
 WORKER = "sglang.srt.speculative.ddtree_utils"
 TRITON = sglang_peers.TRITON_MODULES[0]
@@ -101,28 +102,6 @@ def test_builder_of_another_signature_is_not_taken(no_sglang, monkeypatch):
     fake_module(monkeypatch, WORKER, build_ddtree_tree_from_topk=lambda logprobs, ids, budget: None)
     fn, why = sglang_peers.builder()
     assert fn is None and "expected parameters" in why
-
-
-def fake_extend_attention_fwd(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
-                              kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
-                              sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, page_size: int = 1):
-    """extend_attention_fwd's contract as SGLang's kernel reads its arguments, in float64:
-    request i's queries qo_indptr[i]:qo_indptr[i+1] see its prefix slots kv_indices[kv_indptr[i]:
-    kv_indptr[i+1]] (no mask: skip_prefix_custom_mask) and its extend tokens where the custom
-    mask's row (prefix + extend columns, from mask_indptr[i]) holds a non-zero byte at prefix + j."""
-    assert skip_prefix_custom_mask and page_size == 1 and k_scale == 1.0 and v_scale == 1.0
-    for i in range(qo_indptr.numel() - 1):
-        q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
-        prefix = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])]
-        P, E = prefix.numel(), q1 - q0
-        assert E <= max_len_extend
-        k = torch.cat([k_buffer[prefix, 0], k_extend[q0:q1, 0]]).double()
-        v = torch.cat([v_buffer[prefix, 0], v_extend[q0:q1, 0]]).double()
-        m = custom_mask[int(mask_indptr[i]):int(mask_indptr[i]) + E * (P + E)].view(E, P + E) != 0
-        m[:, :P] = True
-        s = torch.einsum("ehc,kc->ehk", q_extend[q0:q1].double(), k) * sm_scale
-        s = s.masked_fill(~m[:, None, :], float("-inf"))
-        o_extend[q0:q1] = torch.einsum("ehk,kc->ehc", torch.softmax(s, -1), v).to(o_extend.dtype)
 
 
 def tree_case(B, D, H, P, seed=0):

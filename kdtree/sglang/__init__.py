@@ -14,6 +14,9 @@
   ``run`` for each layer.
 - ``patch()``: switch a running worker module over (``KDTREE_SGLANG=1`` does it on import),
   undoable; ``check_patch()`` says what it would replace; see kdtree.sglang.patch.
+- ``patch_attention()`` (backend.py): SGLang's Triton attention backend verifies MLA trees on
+  kdtree's kernel (``KDTREE_SGLANG_ATTENTION=1`` does it on import), undoable;
+  ``check_attention_patch()`` says what it would replace.
 
 Lengths, budgets and indices are taken as int32 or int64 and read in that dtype (a
 conversion would be one more launch in the captured round).
@@ -22,11 +25,14 @@ from __future__ import annotations
 
 from . import reference
 from .attention import VerifyAttention
+from .backend import AttentionPatch, check_attention_patch, patch_attention, patch_attention_from_env, unpatch_attention
 from .builder import build_ddtree_tree_from_topk
 from .patch import Patch, PatchError, check_patch, patch, patch_from_env, unpatch
 from .round import AcceptOutput, RoundBuilder, VerifyLayout, accept, custom_mask, mask_size
 
-__all__ = ["Patch", "PatchError", "RoundBuilder", "VerifyAttention", "VerifyLayout", "AcceptOutput", "accept",
-           "build_ddtree_tree_from_topk", "check_patch", "custom_mask", "mask_size", "patch", "reference", "unpatch"]
+__all__ = ["AttentionPatch", "Patch", "PatchError", "RoundBuilder", "VerifyAttention", "VerifyLayout",
+           "AcceptOutput", "accept", "build_ddtree_tree_from_topk", "check_attention_patch", "check_patch",
+           "custom_mask", "mask_size", "patch", "patch_attention", "reference", "unpatch", "unpatch_attention"]
 
 patch_from_env()
+patch_attention_from_env()

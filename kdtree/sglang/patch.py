@@ -18,7 +18,7 @@ import os
 import sys
 
 from .startup_hook import MODULES
-from .startup_hook import active as hook_active
+from .startup_hook import watching as hook_watching
 
 # Where DDTree worker modules live (MODULES): defined once beside the startup hook, which
 # watches them and may import nothing of kdtree's.
@@ -163,7 +163,7 @@ def patch_from_env():
     flag = os.environ.get("KDTREE_SGLANG", "")
     if flag in ("", "0"):
         return None
-    if hook_active():
+    if hook_watching(os.environ.get("KDTREE_SGLANG_MODULE") or MODULES[0]):
         return None   # the startup hook patches each worker module as it is imported (startup_hook.py)
     if flag != "1":
         print(f"kdtree.sglang: KDTREE_SGLANG={flag!r} ignored (expected 1 or 0)", file=sys.stderr)

@@ -2,12 +2,14 @@
 
 The package installs this file as the top-level module ``_kdtree_sglang_hook`` beside a
 ``kdtree-sglang.pth`` whose one line calls ``install()`` at interpreter start where
-``KDTREE_SGLANG=1`` (SGLang's spawned workers included). It imports nothing heavy (no torch, no
-kdtree): ``install()`` only puts a finder first on ``sys.meta_path``. When a DDTree worker module
-is imported, the finder lets the usual finders find it and wraps its loader, so that right after
-the module has run ``kdtree.sglang.patch()`` switches it over; a worker that imports the builder
-from a module patched so takes kdtree's. Nothing here may break the server's import: a refusal or
-an error is one line on stderr and the CPU path stays.
+``KDTREE_SGLANG=1`` or ``KDTREE_SGLANG_ATTENTION=1`` (SGLang's spawned workers included). It
+imports nothing heavy (no torch, no kdtree): ``install()`` only puts a finder first on
+``sys.meta_path``. When a watched module is imported, the finder lets the usual finders find it
+and wraps its loader, so that right after the module has run it is switched over: a DDTree
+worker module by ``kdtree.sglang.patch()`` (KDTREE_SGLANG=1; a worker that imports the builder
+from a module patched so takes kdtree's), the Triton attention backend's module by
+``kdtree.sglang.patch_attention()`` (KDTREE_SGLANG_ATTENTION=1). Nothing here may break the
+server's import: a refusal or an error is one line on stderr and SGLang's own path stays.
 """
 import contextlib
 import importlib.abc
@@ -20,13 +22,25 @@ MODULES = ("sglang.srt.speculative.ddtree_utils", "sglang.srt.speculative.ddtree
            "sglang.srt.speculative.ddtree", "sglang.srt.speculative.dflash_ddtree_utils",
            "sglang.srt.speculative.dflash_ddtree_worker")
 BUILDER = "build_ddtree_tree_from_topk"
+# Where SGLang's Triton attention backend lives, and its class (kdtree.sglang.backend).
+BACKEND_MODULES = ("sglang.srt.layers.attention.triton_backend",)
+BACKEND_CLASS = "TritonAttnBackend"
 
 
 _REFUSED = []   # builders patch() refused: a worker's copy of one is not refused again aloud
 
 
 def patch_module(module) -> None:
-    """Patches ``module`` if it holds a builder that is not kdtree's; says why where it refuses."""
+    """Patches ``module``: the attention backend's module, or a worker module if it holds a
+    builder that is not kdtree's; says why where it refuses."""
+    if module.__name__ in BACKEND_MODULES:
+        try:
+            from kdtree.sglang.backend import patch_attention
+            patch_attention(module)
+        except Exception as e:  # noqa: BLE001 - the server must start whatever kdtree says
+            print(f"kdtree.sglang: KDTREE_SGLANG_ATTENTION=1 but {module.__name__} not patched: "
+                  f"{type(e).__name__}: {e}", file=sys.stderr)
+        return
     fn = vars(module).get(BUILDER)
     if fn is None or any(fn is r for r in _REFUSED) or (getattr(fn, "__module__", None) or "").startswith("kdtree."):
         return   # no builder here (the worker calls its utils'), one refused already, or a patched copy
@@ -97,13 +111,21 @@ def active() -> bool:
     return any(type(f).__name__ == "WorkerFinder" for f in sys.meta_path)
 
 
+def watching(name: str) -> bool:
+    """An installed finder watches module ``name``."""
+    return any(type(f).__name__ == "WorkerFinder" and name in getattr(f, "names", ()) for f in sys.meta_path)
+
+
 def install() -> None:
-    """Watches the worker modules (KDTREE_SGLANG_MODULE alone where set); once a process."""
+    """Watches the worker modules under KDTREE_SGLANG=1 (KDTREE_SGLANG_MODULE alone where set)
+    and the attention backend's under KDTREE_SGLANG_ATTENTION=1; once a process."""
     try:
         if active():
             return
         named = os.environ.get("KDTREE_SGLANG_MODULE")
-        watched = (named,) if named else MODULES
+        watched = ((named,) if named else MODULES) if os.environ.get("KDTREE_SGLANG") == "1" else ()
+        if os.environ.get("KDTREE_SGLANG_ATTENTION") == "1":
+            watched += BACKEND_MODULES
         sys.meta_path.insert(0, WorkerFinder(watched))
         for name in watched:   # already imported (by a sitecustomize, say): patched now
             if sys.modules.get(name) is not None:
