@@ -16,12 +16,15 @@ BACKEND_MODULE = "sglang.srt.layers.attention.triton_backend"
 
 def fake_extend_attention_fwd(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                               kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
-                              sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, page_size: int = 1):
+                              sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1,
+                              sinks=None, window_kv_offsets=None, xai_temperature_len=-1, page_size: int = 1):
     """extend_attention_fwd's contract as SGLang's kernel reads its arguments, in float64:
     request i's queries qo_indptr[i]:qo_indptr[i+1] see its prefix slots kv_indices[kv_indptr[i]:
     kv_indptr[i+1]] (no mask: skip_prefix_custom_mask) and its extend tokens where the custom
     mask's row (prefix + extend columns, from mask_indptr[i]) holds a non-zero byte at prefix + j."""
     assert skip_prefix_custom_mask and page_size == 1 and k_scale == 1.0 and v_scale == 1.0
+    assert logit_cap == 0 and sliding_window_size == -1 and sinks is None and window_kv_offsets is None
+    assert xai_temperature_len <= 0
     for i in range(qo_indptr.numel() - 1):
         q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
         prefix = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])]
@@ -73,16 +76,23 @@ def layer(layer_id: int, H: int, scaling=0.130861, **attrs):
 class TritonAttnBackend:
     """The Triton backend's target-verify path as SGLang 0.5.x runs it: metadata from
     req_to_token and the spec info's custom mask once a forward, then per layer the verify
-    slots' KV into the pool and extend_attention_fwd over the prefix (kv_indices) and the
-    extend tokens (k, v)."""
+    slots' KV into the pool and extend_attention_fwd (an attribute of the instance) over the
+    prefix (kv_indices) and the extend tokens (k, v), with the layer's options as keywords;
+    deterministic mode takes another kernel. `kernel_calls` counts the Triton kernel's calls."""
 
     def __init__(self, pool: Pool, req_to_token, num_draft_tokens: int, use_mla=True):
         self.token_to_kv_pool, self.req_to_token = pool, req_to_token
         self.num_draft_tokens, self.use_mla = num_draft_tokens, use_mla
         self.enable_deterministic = False
         self.forward_metadata = None
-        self.extend_attention_fwd = fake_extend_attention_fwd
-        self.calls = 0
+        self.extend_attention_fwd = self._count(fake_extend_attention_fwd)
+        self.kernel_calls = self.unified_calls = 0
+
+    def _count(self, fn):
+        def kernel(*args, **kwargs):
+            self.kernel_calls += 1
+            return fn(*args, **kwargs)
+        return kernel
 
     def init_forward_metadata(self, fb):
         q = self.num_draft_tokens
@@ -101,16 +111,24 @@ class TritonAttnBackend:
             mask_indptr=mask_indptr.to(dev), max_extend_len=q)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):
-        self.calls += 1
         o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
         if save_kv_cache:
             self.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
+        if self.enable_deterministic:
+            self.unified_calls += 1   # SGLang's unified kernel: not extend_attention_fwd
+            return o
         m = self.forward_metadata
+        window = layer.sliding_window_size if layer.sliding_window_size is not None and \
+            layer.sliding_window_size > -1 else -1
+        scales = (layer.k_scale, layer.v_scale) if layer.k_scale is not None and layer.v_scale is not None \
+            else (1.0, 1.0)
         self.extend_attention_fwd(
             q.view(-1, layer.tp_q_head_num, layer.qk_head_dim), k.contiguous(), v.contiguous(),
             o.view(-1, layer.tp_q_head_num, layer.v_head_dim), self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id), m.qo_indptr, m.kv_indptr, m.kv_indices,
-            m.custom_mask, True, m.mask_indptr, m.max_extend_len, 1.0, 1.0, layer.scaling)
+            m.custom_mask, True, m.mask_indptr, m.max_extend_len, scales[0], scales[1], layer.scaling,
+            logit_cap=layer.logit_cap, sliding_window_size=window, sinks=sinks, window_kv_offsets=None,
+            xai_temperature_len=layer.xai_temperature_len)
         return o
 
 

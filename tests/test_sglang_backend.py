@@ -80,7 +80,7 @@ def test_patched_backend_gives_the_triton_kernels_attention(ref_kernel, patched,
         assert torch.allclose(g.double(), w.double(), atol=3e-2)
     for a, b in zip(case.pool.kv, want.pool.kv):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))   # the same KV written, NaN-free
-    assert patched.taken == 3 and not patched.left
+    assert patched.taken == 3 and not patched.left and be.kernel_calls == 0
     (va,) = ref_kernel.made
     assert va.prepares == 1 and (va.bs, va.q, va.H, va.max_seq_len) == (bs, q, H, case.req_to_token.shape[1])
 
@@ -99,7 +99,7 @@ def test_each_forward_prepares_its_own_metadata(ref_kernel, patched):
         for g, r in zip(got, sb.reference_outputs(case, q, H)):
             assert torch.allclose(g.double(), r, atol=2e-2)
     (va,) = ref_kernel.made
-    assert va.prepares == 2 and patched.taken == 4 and be.calls == 0
+    assert va.prepares == 2 and patched.taken == 4 and be.kernel_calls == 0
 
 
 def test_tree_visibility_is_the_masks_tree_part():
@@ -120,35 +120,40 @@ def test_tree_visibility_is_the_masks_tree_part():
         assert torch.equal(got, vis)
 
 
-def each(attr, value):
-    return lambda layers, be: [setattr(x, attr, value) for x in layers]
+def each(**attrs):
+    return lambda layers, be: [setattr(x, a, v) for x in layers for a, v in attrs.items()]
 
 
-@pytest.mark.parametrize("change,why", [
-    (each("k_scale", 0.5), "scaled K/V"),
-    (each("logit_cap", 30.0), "logit cap"),
-    (each("sliding_window_size", 128), "sliding window"),
-    (each("xai_temperature_len", 8), "attention temperature"),
-    (each("qk_head_dim", 192), "head dims 192/512"),
-    (lambda layers, be: setattr(be, "use_mla", False), "not an MLA backend"),
-    (lambda layers, be: setattr(be, "enable_deterministic", True), "deterministic inference"),
-    (lambda layers, be: setattr(be.forward_metadata, "custom_mask", None), "no custom mask"),
-    (lambda layers, be: setattr(be, "num_draft_tokens", 3), "query rows for 2 requests"),
+@pytest.mark.parametrize("change,why,kernel_calls", [
+    (each(k_scale=0.5, v_scale=0.5), "scaled K/V", 2),
+    (each(logit_cap=30.0), "logit cap", 2),
+    (each(sliding_window_size=128), "sliding window", 2),
+    (each(xai_temperature_len=8), "attention temperature", 2),
+    (each(qk_head_dim=192), "head dims 192/512", 2),
+    (lambda layers, be: setattr(be, "use_mla", False), "not an MLA backend", 2),
+    (lambda layers, be: setattr(be.forward_metadata, "custom_mask", None), "no custom mask", 2),
+    (lambda layers, be: setattr(be, "num_draft_tokens", 3), "query rows for 2 requests", 2),
+    (lambda layers, be: setattr(be, "enable_deterministic", True), "a path without extend_attention_fwd", 0),
 ])
-def test_calls_it_does_not_compute_go_to_sglang_and_say_why_once(ref_kernel, patched, capsys, change, why):
+def test_calls_it_does_not_compute_go_to_sglang_and_say_why_once(ref_kernel, patched, capsys, change, why,
+                                                                 kernel_calls):
+    """SGLang's kernel (here a stand-in that only counts) gets the call, with its own
+    arguments, wherever the layer, the backend or the arguments ask for what kdtree does
+    not compute; the reason is counted a call and said once."""
     q = 4
     case = sb.verify_forward(2, q, H, [6, 2], 2, "cpu", seed=5)
     be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
     be.init_forward_metadata(case.fb)
+    be.extend_attention_fwd = be._count(lambda *a, **k: None)
     L = [sb.layer(i, H) for i in range(2)]
     change(L, be)
-    be.extend_attention_fwd = lambda *a, **k: None   # SGLang's kernel: called, not computed here
     for i, x in enumerate(L):
         be.forward_extend(case.qs[i], case.ks[i], case.ks[i][..., :512], x, case.fb)
-    assert be.calls == 2 and patched.taken == 0 and not ref_kernel.made
+    assert be.kernel_calls == kernel_calls and patched.taken == 0 and not ref_kernel.made
     (reason,) = patched.left
     assert why in reason and patched.left[reason] == 2
     assert capsys.readouterr().err.count("left to SGLang's Triton kernel") == 1
+    assert "_TreeVerify" not in repr(be.extend_attention_fwd)   # SGLang's kernel back in place
 
 
 def test_other_forward_modes_and_sinks_pass_through(ref_kernel, patched, capsys):
@@ -156,25 +161,26 @@ def test_other_forward_modes_and_sinks_pass_through(ref_kernel, patched, capsys)
     case = sb.verify_forward(1, q, H, [4], 1, "cpu", seed=6)
     be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
     be.init_forward_metadata(case.fb)
-    be.extend_attention_fwd = lambda *a, **k: None
+    be.extend_attention_fwd = be._count(lambda *a, **k: None)
     case.fb.forward_mode = sb.ForwardMode(False)
     be.forward_extend(case.qs[0], case.ks[0], case.ks[0][..., :512], sb.layer(0, H), case.fb)
-    assert be.calls == 1 and not patched.left and capsys.readouterr().err == ""   # prefill, decode: not ours
+    assert be.kernel_calls == 1 and not patched.left and capsys.readouterr().err == ""   # prefill: not ours
     case.fb.forward_mode = sb.ForwardMode(True)
     be.forward_extend(case.qs[0], case.ks[0], case.ks[0][..., :512], sb.layer(0, H), case.fb, True,
                       torch.zeros(H))
-    assert be.calls == 2 and list(patched.left) == ["attention sinks"]
+    assert be.kernel_calls == 2 and list(patched.left) == ["attention sinks"] and not ref_kernel.made
 
 
 def test_without_a_gpu_kdtree_refuses_and_sglang_computes(patched, capsys):
-    """The real VerifyAttention on CPU tensors: kdtree's InputError, the call SGLang's."""
+    """The real VerifyAttention on CPU tensors: kdtree's InputError, the call SGLang's kernel's
+    with its own arguments (the float64 stand-in computes it)."""
     q = 3
     case = sb.verify_forward(1, q, H, [4], 1, "cpu", seed=8)
     be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
     be.init_forward_metadata(case.fb)
     q_in = case.qs[0].clone()
     out = be.forward_extend(q_in, case.ks[0], case.ks[0][..., :512], sb.layer(0, H), case.fb)
-    assert be.calls == 1 and not torch.isnan(out).any()
+    assert be.kernel_calls == 1 and not torch.isnan(out).any()
     (reason,) = patched.left
     assert reason.startswith("kdtree refused the inputs:") and "CUDA" in reason
 
@@ -230,3 +236,19 @@ def test_patch_attention_from_env(monkeypatch, capsys):
         assert "KDTREE_SGLANG_ATTENTION=1 but not patched" in capsys.readouterr().err
     finally:
         p.undo()
+
+
+def test_kernel_arguments_it_does_not_know_go_to_sglang():
+    """extend_attention_fwd's arguments decide: an lse output, a score mod, a prefix skip, an
+    unknown keyword or another positional count leave the call to SGLang's kernel; the page
+    size and the CPU lengths change nothing kdtree computes."""
+    q, o, kv = torch.zeros(6, 2, 576), torch.zeros(6, 2, 512), torch.zeros(9, 1, 576, dtype=torch.bfloat16)
+    args = (q, None, None, o, kv, None, None, None, None, torch.ones(3), True, torch.zeros(3), 3, 1.0, 1.0, 0.13)
+    assert backend._why_not_kernel(args, dict(page_size=64, extend_seq_lens_cpu=[3, 3], logit_cap=0.0)) is None
+    for kw, why in [(dict(lse_extend=torch.zeros(6, 2)), "lse_extend="), (dict(score_mod=abs), "score_mod="),
+                    (dict(skip_prefix=True), "skip_prefix="), (dict(skip_prefix_custom_mask=False), "skip_prefix_"),
+                    (dict(new_option=1), "an argument kdtree does not know: new_option")]:
+        assert why in backend._why_not_kernel(args, kw)
+    assert "15 positional" in backend._why_not_kernel(args[:15], {})
+    assert "not bf16" in backend._why_not_kernel(args[:4] + (kv.float(),) + args[5:], {})
+    assert "not [tokens, H, 576]" in backend._why_not_kernel((o,) + args[1:], {})

@@ -291,7 +291,7 @@ def test_attention_patch_runs_the_kernel_on_sglangs_metadata():
             be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
             be.init_forward_metadata(case.fb)
             got = sb.run_layers(be, case, H)
-            assert be.calls == 0
+            assert be.kernel_calls == 0
             for g, w in zip(got, sb.reference_outputs(case, q, H)):
                 assert g.shape == (bs * q, H * 512) and _close(g, w)
         assert p.taken == 6 and not p.left
@@ -329,4 +329,4 @@ def test_attention_patch_forward_replays_in_a_cuda_graph():
         torch.cuda.synchronize()
         for g, w in zip(outs, want_b):
             assert _close(g, w)
-        assert be.calls == 0 and not p.left
+        assert be.kernel_calls == 0 and not p.left

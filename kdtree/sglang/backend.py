@@ -1,24 +1,28 @@
 """SGLang's Triton attention backend verifying an MLA tree on kdtree's kernel.
 
 A DDTree worker's target-verify forward runs, in every one of the model's attention layers,
-``TritonAttnBackend.forward_extend`` with the round's custom mask (spec sglang.md, step 5):
-SGLang's Triton extend kernel, 1.6-6.1 ms a layer at batch 1 on an H200 where kdtree's
-tree-verify kernel takes 17-74 us (docs/results.md). ``patch_attention()`` replaces that
-method on the class; the replacement takes a call only where it computes what the Triton
-kernel computes:
-- the forward is a target verify with a custom mask, the backend is MLA's (latent 512 +
-  rope 64, bf16 q and pool), no scale on K or V, no logit cap, no sliding window, no sinks,
-  no temperature, no deterministic mode, q of ``bs * num_draft_tokens`` rows;
-- and then it writes the verify slots' KV as SGLang does and runs kdtree's kernel over the
-  pool, ``req_to_token`` read in place (columns 0 .. prefix + q - 1: the prefix, then the
-  verify slots, which the worker assigns there before the forward), and the tree part of
-  the custom mask (its last q columns a row) as the visibility.
-Any other call goes to SGLang's own method, and the first call of each kind says why on
-stderr. The per-forward work (the requests' rows and lengths, the mask's tree part: a few
-launches, no sync) runs at the first attention layer of each forward, so a forward captured
-in a CUDA graph replays it with the graph's own metadata buffers; each layer is then the
-attention kernel alone. The numbers are not SGLang's bit for bit (another kernel, the same
-attention within bf16 rounding): hence its own opt-in, ``KDTREE_SGLANG_ATTENTION=1``.
+``TritonAttnBackend.forward_extend`` with the round's custom mask (spec sglang.md, step 5),
+which ends in SGLang's Triton extend kernel, ``self.extend_attention_fwd(...)``: 1.6-6.1 ms a
+layer at batch 1 on an H200 where kdtree's tree-verify kernel takes 17-74 us
+(docs/results.md). ``patch_attention()`` wraps that method on the class. SGLang's own method
+still runs every call (its KV write, its output buffer, its choice of path, as each release
+has them); in a target verify on an MLA backend, the wrapper hands it, for that call, a
+stand-in for ``extend_attention_fwd`` that computes the attention on kdtree's kernel where
+the arguments SGLang passes say it computes what the Triton kernel would:
+- a custom mask; bf16 q ``[tokens, H, 576]`` of ``bs * num_draft_tokens`` rows, pool
+  ``[slots, 1, 576]`` and output ``[tokens, H, 512]``;
+- no K/V descale, logit cap, sliding window, sinks, temperature, score mod, lse output or
+  prefix / extend skip, and no argument it does not know;
+and otherwise calls the Triton kernel with the same arguments. kdtree's kernel reads the pool
+through ``req_to_token`` in place (columns 0 .. prefix + q - 1: the prefix, then the verify
+slots, which the worker assigns there before the forward, as EAGLE's does) and the tree part
+of the custom mask (each row's last q columns) as the visibility. The first call of each kind
+left to SGLang says why on stderr. The per-forward work (the requests' rows and lengths, the
+mask's tree part: a few launches, no sync) runs at the first attention layer of each forward,
+so a forward captured in a CUDA graph replays it with the graph's own metadata buffers; each
+layer is then the attention kernel alone. The numbers are not SGLang's bit for bit (another
+kernel, the same attention within bf16 rounding): hence its own opt-in,
+``KDTREE_SGLANG_ATTENTION=1``.
 """
 from __future__ import annotations
 
@@ -41,13 +45,19 @@ PARAMS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache")
 
 class AttentionPatch:
     """An applied patch of ``cls.forward_extend``: ``taken`` (layer calls kdtree ran),
-    ``left`` (a Counter of the reasons calls went to SGLang's method), ``undo()``; a context
-    manager."""
+    ``left`` (a Counter of the reasons target-verify calls went to SGLang's kernel),
+    ``undo()``; a context manager."""
 
     def __init__(self, cls, original, verbose: bool):
         self.cls, self.original, self.verbose = cls, original, verbose
         self.taken = 0
         self.left = collections.Counter()
+
+    def say(self, why: str) -> None:
+        """A call left to SGLang: counted, and said on stderr the first time."""
+        if self.left[why] == 0 and self.verbose:
+            print(f"kdtree.sglang: a tree-verify layer left to SGLang's Triton kernel: {why}", file=sys.stderr)
+        self.left[why] += 1
 
     def undo(self) -> None:
         if self.original is not None:
@@ -111,27 +121,26 @@ def check_attention_patch(target=None):
 
 
 def patch_attention(target=None, verbose: bool = True) -> AttentionPatch:
-    """Replaces ``TritonAttnBackend.forward_extend`` (of ``target``: the class, its module or
-    the module's name; SGLang's by default) with kdtree's tree verify where it applies;
-    returns the AttentionPatch."""
+    """Wraps ``TritonAttnBackend.forward_extend`` (of ``target``: the class, its module or the
+    module's name; SGLang's by default) so that its tree verify runs on kdtree's kernel where
+    it applies; returns the AttentionPatch."""
     cls, original = check_attention_patch(target)
     p = AttentionPatch(cls, original, verbose)
 
-    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
-        why = _why_not(self, q, k, v, layer, forward_batch, args, kwargs)
-        if why is None:
-            try:
-                out = _verify(self, q, k, v, layer, forward_batch, save_kv_cache)
-            except ValueError as e:   # kdtree's InputError: the call is SGLang's after all
-                why = f"kdtree refused the inputs: {e}"
-            else:
-                p.taken += 1
-                return out
-        if why != "not a target verify":
-            if p.left[why] == 0 and p.verbose:
-                print(f"kdtree.sglang: a tree-verify layer left to SGLang's Triton kernel: {why}", file=sys.stderr)
-            p.left[why] += 1
-        return original(self, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        why = _why_not(self, q, layer, forward_batch)
+        if why is not None:
+            if why != "not a target verify":
+                p.say(why)
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        call = _TreeVerify(p, self, layer, forward_batch, self.extend_attention_fwd)
+        self.extend_attention_fwd = call   # this call only: SGLang's method runs as it is
+        try:
+            return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+        finally:
+            self.extend_attention_fwd = call.real
+            if not call.called:
+                p.say("SGLang's forward_extend took a path without extend_attention_fwd")
 
     forward_extend._kdtree_original = original
     forward_extend.__doc__ = original.__doc__
@@ -169,47 +178,88 @@ def patch_attention_from_env():
 
 
 def _num(x) -> float:
-    """A layer attribute that may be None, a float or a tensor, as a float (0 for None)."""
+    """An argument that may be None, a float or a tensor, as a float (0 for None)."""
     return 0.0 if x is None else float(x)
 
 
-def _why_not(backend, q, k, v, layer, forward_batch, args, kwargs):
-    """None where kdtree computes this call as SGLang's Triton kernel would, else why not
-    (host attributes only: no sync)."""
+def _why_not(backend, q, layer, forward_batch):
+    """None where a call may be kdtree's (the kernel's arguments decide the rest), else why
+    not. Host attributes only: no sync."""
     mode = getattr(forward_batch, "forward_mode", None)
     if mode is None or not mode.is_target_verify():
         return "not a target verify"
-    meta = getattr(backend, "forward_metadata", None)
-    if getattr(meta, "custom_mask", None) is None or getattr(meta, "mask_indptr", None) is None:
-        return "no custom mask (a chain, not a tree)"
     if not getattr(backend, "use_mla", False):
         return "not an MLA backend"
     if (layer.qk_head_dim, layer.v_head_dim) != (QK_DIM, V_DIM):
         return f"head dims {layer.qk_head_dim}/{layer.v_head_dim}, not MLA's {QK_DIM}/{V_DIM}"
-    if getattr(backend, "enable_deterministic", False):
-        return "deterministic inference (SGLang's unified kernel)"
-    if getattr(layer, "k_scale", None) is not None or getattr(layer, "v_scale", None) is not None:
-        return "scaled K/V"
-    if _num(getattr(layer, "logit_cap", None)) > 0:
-        return "logit cap"
-    if getattr(layer, "sliding_window_size", None) not in (None, -1):
-        return "sliding window"
-    if getattr(layer, "is_cross_attention", False):
-        return "cross attention"
-    if _num(getattr(layer, "xai_temperature_len", None)) > 0:
-        return "attention temperature"
-    if kwargs.get("sinks", args[0] if args else None) is not None:
-        return "attention sinks"
-    if (k is None) != (v is None):
-        return "only one of k and v"
+    if q.dtype != torch.bfloat16:
+        return f"q {q.dtype}, not bf16"
     bs = forward_batch.req_pool_indices.shape[0]
     if bs == 0 or q.shape[0] % bs or q.shape[0] // bs != getattr(backend, "num_draft_tokens", q.shape[0] // bs):
         return f"{q.shape[0]} query rows for {bs} requests of num_draft_tokens"
-    if q.dtype != torch.bfloat16:
-        return f"q {q.dtype}, not bf16"
-    if backend.token_to_kv_pool.get_key_buffer(layer.layer_id).dtype != torch.bfloat16:
+    if not isinstance(getattr(backend, "req_to_token", None), torch.Tensor):
+        return "no req_to_token on the backend"
+    if not callable(vars(backend).get("extend_attention_fwd")):
+        return "no extend_attention_fwd of the backend's own"
+    return None
+
+
+# extend_attention_fwd's keyword arguments, each with the values at which the call is plain
+# tree-verify attention; those that change nothing kdtree computes; anything else unknown.
+NEUTRAL = {"logit_cap": lambda x: _num(x) <= 0, "sliding_window_size": lambda x: x is None or x < 0,
+           "sinks": lambda x: x is None, "window_kv_offsets": lambda x: x is None,
+           "xai_temperature_len": lambda x: _num(x) <= 0, "lse_extend": lambda x: x is None,
+           "skip_prefix_custom_mask": lambda x: x is True, "skip_prefix": lambda x: not x,
+           "skip_extend": lambda x: not x, "score_mod": lambda x: x is None, "aux_tensors": lambda x: x is None,
+           "identity_kv_indices": lambda x: not x}
+IGNORED = {"page_size", "extend_seq_lens_cpu", "max_bs"}
+
+
+def _why_not_kernel(args, kwargs):
+    """None where extend_attention_fwd(*args, **kwargs) is the attention kdtree computes."""
+    if len(args) != 16:
+        return f"extend_attention_fwd called with {len(args)} positional arguments, not 16"
+    q, o, k_buffer, custom_mask, mask_indptr, k_descale, v_descale = (args[0], args[3], args[4], args[9], args[11],
+                                                                      args[13], args[14])
+    if custom_mask is None or mask_indptr is None:
+        return "no custom mask (a chain, not a tree)"
+    if _num(k_descale) != 1.0 or _num(v_descale) != 1.0:
+        return "scaled K/V"
+    for name, value in kwargs.items():
+        if name in NEUTRAL and not NEUTRAL[name](value):
+            return {"logit_cap": "logit cap", "sliding_window_size": "sliding window", "sinks": "attention sinks",
+                    "xai_temperature_len": "attention temperature"}.get(name, f"{name}={value!r}")
+        if name not in NEUTRAL and name not in IGNORED:
+            return f"an argument kdtree does not know: {name}"
+    if q.dim() != 3 or q.shape[2] != QK_DIM or o.shape != (q.shape[0], q.shape[1], V_DIM):
+        return f"q {tuple(q.shape)} / out {tuple(o.shape)}, not [tokens, H, {QK_DIM}] / [tokens, H, {V_DIM}]"
+    if k_buffer.dtype != torch.bfloat16:
         return "the KV pool is not bf16"
     return None
+
+
+class _TreeVerify:
+    """extend_attention_fwd for one forward_extend call: kdtree's kernel where the arguments
+    allow, else ``real`` (SGLang's) with the same arguments."""
+
+    def __init__(self, patch, backend, layer, forward_batch, real):
+        self.patch, self.backend, self.layer, self.fb = patch, backend, layer, forward_batch
+        self.real = real
+        self.called = False
+
+    def __call__(self, *args, **kwargs):
+        self.called = True
+        why = _why_not_kernel(args, kwargs)
+        if why is None:
+            try:
+                _verify(self.backend, self.layer, self.fb, args)
+            except ValueError as e:   # kdtree's InputError: the call is SGLang's after all
+                why = f"kdtree refused the inputs: {e}"
+            else:
+                self.patch.taken += 1
+                return None
+        self.patch.say(why)
+        return self.real(*args, **kwargs)
 
 
 def tree_visibility(custom_mask, mask_indptr, prefix_lens, bs: int, q: int, out=None, rows=None):
@@ -257,25 +307,18 @@ def _shape_state(backend, bs, qn, H, dev):
 
 
 @torch.compiler.disable
-def _verify(backend, q, k, v, layer, forward_batch, save_kv_cache):
-    """The target verify of one layer on kdtree's kernel (the checks passed)."""
-    H = layer.tp_q_head_num
-    q3 = q.reshape(-1, H, QK_DIM)
-    bs = forward_batch.req_pool_indices.shape[0]
-    qn = q3.shape[0] // bs
-    st, entry = _shape_state(backend, bs, qn, H, q3.device)
+def _verify(backend, layer, forward_batch, args):
+    """One layer's tree verify on kdtree's kernel, into extend_attention_fwd's output."""
+    q, o, k_buffer, custom_mask, mask_indptr, scale = args[0], args[3], args[4], args[9], args[11], args[15]
+    bs, H = forward_batch.req_pool_indices.shape[0], q.shape[1]
+    qn = q.shape[0] // bs
+    st, entry = _shape_state(backend, bs, qn, H, q.device)
     va = entry["verify"]
-    meta = backend.forward_metadata
     if st.last_layer is None or layer.layer_id <= st.last_layer or st.current is not entry:
         # A forward's first attention layer: the requests and the tree, once for every layer.
         va.prepare(forward_batch.req_pool_indices, forward_batch.seq_lens)
-        tree_visibility(meta.custom_mask, meta.mask_indptr, forward_batch.seq_lens, bs, qn,
-                        out=entry["vis"], rows=entry["rows"])
+        tree_visibility(custom_mask, mask_indptr, forward_batch.seq_lens, bs, qn, out=entry["vis"],
+                        rows=entry["rows"])
         st.current = entry
     st.last_layer = layer.layer_id
-    if save_kv_cache and k is not None:
-        backend.token_to_kv_pool.set_kv_buffer(layer, forward_batch.out_cache_loc, k, v)
-    o = q3.new_empty((q3.shape[0], H * V_DIM))
-    va.run(q3, backend.token_to_kv_pool.get_key_buffer(layer.layer_id), backend.req_to_token, None, None,
-           entry["vis"], layer.scaling, out=(o.view(-1, H, V_DIM), entry["lse"]))
-    return o
+    va.run(q, k_buffer, backend.req_to_token, None, None, entry["vis"], scale, out=(o, entry["lse"]))
