@@ -17,14 +17,15 @@ BACKEND_MODULE = "sglang.srt.layers.attention.triton_backend"
 def fake_extend_attention_fwd(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr,
                               kv_indices, custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
                               sm_scale=None, logit_cap=0.0, skip_prefix_custom_mask=True, sliding_window_size=-1,
-                              sinks=None, window_kv_offsets=None, xai_temperature_len=-1, page_size: int = 1):
+                              sinks=None, window_kv_offsets=None, xai_temperature_len=-1, page_size: int = 1,
+                              score_mod=None, aux_tensors=None, extend_seq_lens_cpu=None):
     """extend_attention_fwd's contract as SGLang's kernel reads its arguments, in float64:
     request i's queries qo_indptr[i]:qo_indptr[i+1] see its prefix slots kv_indices[kv_indptr[i]:
     kv_indptr[i+1]] (no mask: skip_prefix_custom_mask) and its extend tokens where the custom
     mask's row (prefix + extend columns, from mask_indptr[i]) holds a non-zero byte at prefix + j."""
     assert skip_prefix_custom_mask and page_size == 1 and k_scale == 1.0 and v_scale == 1.0
     assert logit_cap == 0 and sliding_window_size == -1 and sinks is None and window_kv_offsets is None
-    assert xai_temperature_len <= 0
+    assert xai_temperature_len <= 0 and score_mod is None and aux_tensors is None
     for i in range(qo_indptr.numel() - 1):
         q0, q1 = int(qo_indptr[i]), int(qo_indptr[i + 1])
         prefix = kv_indices[int(kv_indptr[i]):int(kv_indptr[i + 1])]

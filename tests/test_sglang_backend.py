@@ -252,3 +252,56 @@ def test_kernel_arguments_it_does_not_know_go_to_sglang():
     assert "15 positional" in backend._why_not_kernel(args[:15], {})
     assert "not bf16" in backend._why_not_kernel(args[:4] + (kv.float(),) + args[5:], {})
     assert "not [tokens, H, 576]" in backend._why_not_kernel((o,) + args[1:], {})
+
+
+def sglang_triton_backend():
+    """SGLang's own TritonAttnBackend class and RadixAttention, where SGLang imports (not on CI)."""
+    try:
+        from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+        from sglang.srt.layers.radix_attention import RadixAttention
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    except Exception as e:  # noqa: BLE001 - any failure to import SGLang is a skip
+        pytest.skip(f"SGLang's Triton backend does not import here: {type(e).__name__}: {e}")
+    return TritonAttnBackend, RadixAttention, ForwardMode
+
+
+def test_patch_on_sglangs_own_backend(ref_kernel):
+    """SGLang's own forward_extend (its KV write through KVWriteLoc, its paths), on an instance
+    holding only what a target-verify forward reads, with the float64 Triton contract as its
+    kernel: patched, the same outputs and pool, the kernel never called."""
+    cls, RadixAttention, ForwardMode = sglang_triton_backend()
+    bs, q = 2, 5
+    case = sb.verify_forward(bs, q, H, [9, 0], 2, "cpu", seed=31)
+
+    class Pool(sb.Pool):   # the pool of SGLang >= 0.5.23 takes a KVWriteLoc
+        def set_kv_buffer(self, layer, loc, cache_k, cache_v):
+            super().set_kv_buffer(layer, getattr(loc, "loc", loc), cache_k, cache_v)
+
+    pool = Pool.__new__(Pool)
+    pool.kv = case.pool.kv
+    stand_in = sb.TritonAttnBackend(pool, case.req_to_token, q)
+    stand_in.init_forward_metadata(case.fb)
+    be = object.__new__(cls)
+    for name, value in dict(token_to_kv_pool=pool, req_to_token=case.req_to_token, num_draft_tokens=q, use_mla=True,
+                            enable_deterministic=False, use_dense_fp8_chunked_prefill=False, dcp_size=1,
+                            use_verify_shared_kv=False, use_verify_splitkv=False, dllm_attention=None, page_size=1,
+                            allow_bidirectional_attention_in_extend=False,
+                            forward_metadata=types.SimpleNamespace(**vars(stand_in.forward_metadata),
+                                                                   swa_out_cache_loc=None),
+                            extend_attention_fwd=stand_in.extend_attention_fwd).items():
+        setattr(be, name, value)
+    fb = case.fb
+    fb.forward_mode = ForwardMode.TARGET_VERIFY
+    for name, value in dict(out_cache_loc_is_physical=False, mha_one_shot=False, attn_attend_prefix_cache=None,
+                            extend_seq_lens_cpu=None).items():
+        setattr(fb, name, value)
+    layers = [RadixAttention(H, 576, 0.130861, 1, i, v_head_dim=512) for i in range(2)]
+    with backend.patch_attention(cls, verbose=False) as p:
+        got = [be.forward_extend(case.qs[i], case.ks[i], case.ks[i][..., :512], layers[i], fb) for i in range(2)]
+    assert p.taken == 2 and not p.left and stand_in.kernel_calls == 0
+    for g, r in zip(got, sb.reference_outputs(case, q, H)):
+        assert torch.allclose(g.double(), r, atol=2e-2), float((g.double() - r).abs().max())
+    want = [be.forward_extend(case.qs[i], case.ks[i], case.ks[i][..., :512], layers[i], fb) for i in range(2)]
+    assert stand_in.kernel_calls == 2   # unpatched: SGLang's method calls its kernel
+    for g, w in zip(got, want):
+        assert torch.allclose(g.double(), w.double(), atol=3e-2)
