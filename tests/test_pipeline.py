@@ -490,3 +490,46 @@ def test_provenance_commit_told_by_the_environment(monkeypatch):
         assert info["git_dirty"] is False
     finally:
         provenance._static.cache_clear()
+
+
+def _verify_rows(tmp_path, triton_us, ours_us, **at):
+    """Verify-sweep rows of SGLang's Triton kernel and kdtree's at page size 1 (and a page-64
+    row that must not be taken)."""
+    base = dict(batch=4, D=65, heads=8, prefix=8192, status="ok", **at)
+    pd.DataFrame([dict(base, impl="sglang_triton", page_size=1, median_us=triton_us),
+                  dict(base, impl="kdtree_kernel", page_size=1, median_us=ours_us),
+                  dict(base, impl="kdtree_kernel", page_size=64, median_us=1.0)]).to_parquet(
+        tmp_path / "verify_attn.parquet")
+
+
+def test_breakdown_projects_kdtree_sglang_attention(tmp_path):
+    """With the verify sweep's Triton and kdtree rows: a third bar, the rest of the step less
+    61 layers of Triton verify plus 61 of kdtree's, beside the GPU build and accept; the
+    context from the probe's lengths (prompt + half the completion)."""
+    pd.DataFrame([dict(batch=4, budget=64, impl="cpu_heapq", metric="batch_time", median_us=4000.0, status="ok"),
+                  dict(batch=4, budget=64, impl="gpu_kernel", metric="device_time", median_us=40.0, status="ok")]
+                 ).to_parquet(tmp_path / "tree_build.parquet")
+    _accept_and_probe(tmp_path)
+    pd.DataFrame([dict(ok=True, prompt_tokens=8000, completion_tokens=384)] * 3).to_parquet(tmp_path / "probe.parquet")
+    _verify_rows(tmp_path, 200.0, 10.0)
+    t = breakdown_table(tmp_path)
+    att = t[t.scenario.str.contains("KDTREE_SGLANG_ATTENTION")].set_index("component").ms
+    assert att["rest of step, less verify attention"] == pytest.approx(15.5 - 61 * 0.2)
+    assert att["verify attention (kdtree, 61 layers)"] == pytest.approx(61 * 0.01)
+    assert att.sum() == pytest.approx(15.5 - 61 * 0.19 + 0.04 + 0.005)
+    assert "assumed to verify with SGLang's Triton kernel, 61 layers of 8 heads" in t.notes.iloc[0]
+    assert "timed at" not in t.notes.iloc[0]   # 8000 + 384 / 2 = 8192: the exact row
+    from kdtree.harness.figures import step_breakdown
+    step_breakdown(t, tmp_path / "step.png")
+    assert (tmp_path / "step.png").stat().st_size > 10_000
+
+
+def test_breakdown_draws_no_attention_bar_where_triton_outlasts_the_step(tmp_path):
+    pd.DataFrame([dict(batch=4, budget=64, impl="gpu_kernel", metric="device_time", median_us=40.0, status="ok")]
+                 ).to_parquet(tmp_path / "tree_build.parquet")
+    _accept_and_probe(tmp_path)
+    _verify_rows(tmp_path, 1000.0, 10.0)   # 61 ms of Triton layers in a 20 ms step
+    t = breakdown_table(tmp_path)
+    assert not t.scenario.str.contains("KDTREE_SGLANG_ATTENTION").any()
+    notes = t.notes.iloc[0]
+    assert "a context of 8192 tokens assumed" in notes and "does not verify with it" in notes

@@ -4,6 +4,12 @@ Today a DDTree step spends, per verify step, the CPU tree build and the CPU acce
 walk inside the measured step time; with the GPU kernels those two become their
 device times. Everything else in the step (the target forward, the drafter,
 sampling, scheduling) is unchanged: the projection is labelled as such.
+
+A second projection adds KDTREE_SGLANG_ATTENTION=1: where the service verifies with SGLang's
+Triton kernel, each of the model's attention layers takes the verify sweep's Triton time,
+which kdtree's replaces (page size 1, SGLang's pool). The probe cannot see the backend or the
+model's shape, so both are assumptions, said in the notes; where the Triton layers alone
+would outlast the measured step, the service does not verify that way and no bar is drawn.
 """
 from __future__ import annotations
 
@@ -52,6 +58,31 @@ def _typical_tree(d: pd.DataFrame | None) -> pd.DataFrame | None:
     if d is None or "drafts" not in d or not (d.drafts == "confident").any():
         return d
     return d[d.drafts == "confident"]
+
+
+# The model the verify-attention projection assumes: Kimi K2 (DeepSeek-V3's shape: 61 MLA
+# layers, 64 heads) over tensor parallelism 8, so 8 heads a GPU.
+LAYERS, HEADS_PER_GPU = 61, 8
+# The context a verify step attends to where the probe recorded no lengths.
+DEFAULT_CONTEXT = 8192
+
+
+def _verify_rows(d: pd.DataFrame | None, impl: str) -> pd.DataFrame:
+    """Verify-sweep rows of `impl` at page size 1 (SGLang's pool), timed."""
+    if d is None or d.empty or "impl" not in d:
+        return pd.DataFrame()
+    return d[(d.impl == impl) & (d.page_size == 1) & d.median_us.notna()]
+
+
+def _context(rd: pathlib.Path, notes: list) -> int:
+    """The tokens a verify step attends to: the probe's median prompt plus half its median
+    completion (a decode's average depth)."""
+    req = read_ok_rows(rd / "probe.parquet")
+    if req is None or "prompt_tokens" not in req or req.prompt_tokens.isna().all():
+        notes.append(f"no prompt lengths from the probe: a context of {DEFAULT_CONTEXT} tokens assumed")
+        return DEFAULT_CONTEXT
+    done = req.completion_tokens.median() if "completion_tokens" in req else 0
+    return int(req.prompt_tokens.median() + (0 if pd.isna(done) else done) / 2)
 
 
 def _pick(df: pd.DataFrame, what: str, notes: list, **want) -> pd.Series | None:
@@ -120,7 +151,42 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
             notes.append("no GPU accept row: the projection keeps the CPU walk")
         rows += [(proj, "rest of step", rest), (proj, "tree build (GPU)", gpu.median_us / 1e3),
                  (proj, "accept (GPU)", acc_gpu.median_us / 1e3 if acc_gpu is not None else walk_cpu)]
+        rows += _attention_rows(rd, kernel_times_dir, batch, budget, rest, rows[-2:], notes)
     t = pd.DataFrame(rows, columns=["scenario", "component", "ms"])
     t["batch"], t["budget"], t["verify_step_ms"] = batch, budget, step
     t["notes"] = "; ".join(notes)
     return t
+
+
+def _attention_rows(rd, kernel_times_dir, batch: int, budget: int, rest: float, kernels: list, notes: list):
+    """The projection with KDTREE_SGLANG_ATTENTION=1 as well: the rest of the step less
+    LAYERS layers of SGLang's Triton tree verify, plus as many of kdtree's (verify sweep rows
+    of this run, else of `kernel_times_dir`), beside the GPU build and accept (`kernels`)."""
+    va = read_ok_rows(rd / "verify_attn.parquet")
+    source = "this run"
+    if _verify_rows(va, "sglang_triton").empty and kernel_times_dir:
+        va = read_ok_rows(pathlib.Path(kernel_times_dir) / "verify_attn.parquet")
+        source = str(kernel_times_dir)
+    triton, ours = _verify_rows(va, "sglang_triton"), _verify_rows(va, "kdtree_kernel")
+    if va is None:
+        return []   # no verify sweep here or in the fallback: nothing to project
+    if triton.empty or ours.empty:
+        notes.append("no verify sweep rows of SGLang's Triton kernel and kdtree's at page size 1: "
+                     "no KDTREE_SGLANG_ATTENTION projection")
+        return []
+    P = _context(pathlib.Path(rd), notes)
+    want = dict(batch=batch, D=budget + 1, heads=HEADS_PER_GPU, prefix=P)
+    t = _pick(triton, "SGLang's Triton verify", notes, **want)
+    k = _pick(ours, "kdtree's verify", notes, **want)
+    triton_ms, ours_ms = LAYERS * t.median_us / 1e3, LAYERS * k.median_us / 1e3
+    notes.append(f"KDTREE_SGLANG_ATTENTION projection: the service assumed to verify with SGLang's Triton kernel, "
+                 f"{LAYERS} layers of {HEADS_PER_GPU} heads a GPU (K2 over TP 8), verify times from {source}")
+    if triton_ms > rest:
+        notes.append(f"{LAYERS} layers of SGLang's Triton verify ({triton_ms:.3g} ms) outlast the rest of the "
+                     f"measured step ({rest:.3g} ms): this service does not verify with it (another backend, or "
+                     "another shape); no KDTREE_SGLANG_ATTENTION bar")
+        return []
+    proj = "projected: + verify attention on kdtree; KDTREE_SGLANG_ATTENTION=1"
+    return [(proj, "rest of step, less verify attention", rest - triton_ms),
+            (proj, f"verify attention (kdtree, {LAYERS} layers)", ours_ms)] + \
+        [(proj, component, ms) for _, component, ms in kernels]

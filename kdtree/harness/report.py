@@ -100,7 +100,7 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
     bt = breakdown_table(rd, kernel_times_dir)
     if bt is not None:
         notes = [n for n in str(bt["notes"].iloc[0]).split("; ") if n]
-        parts += ["## Whole step (probe + sweeps; the GPU row is an Amdahl projection)", "",
+        parts += ["## Whole step (probe + sweeps; the projected rows are Amdahl projections)", "",
                   _md(bt.drop(columns=["notes"])), ""] + [f"- {n}" for n in notes] + ([""] if notes else [])
     if skipped:
         parts += ["## Not rendered", ""] + [f"- {s}" for s in skipped] + [""]
