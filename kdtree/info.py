@@ -5,6 +5,7 @@ Read-only: nothing is built, launched or patched.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pathlib
@@ -120,25 +121,36 @@ def torch_devices() -> list:
     return out
 
 
+# The variables under which importing kdtree.sglang patches SGLang.
+PATCH_FLAGS = ("KDTREE_SGLANG", "KDTREE_SGLANG_ATTENTION")
+
+
+@contextlib.contextmanager
+def _only_asking():
+    """While info asks what a patch would do: the variables under which importing
+    kdtree.sglang patches out of the environment and the startup hook's finders off, then
+    both back."""
+    saved = {f: os.environ.pop(f) for f in PATCH_FLAGS if f in os.environ}
+    try:
+        from .sglang.startup_hook import hook_aside   # kdtree.sglang's import: the flags are out
+        with hook_aside():
+            yield
+    finally:
+        os.environ.update(saved)
+
+
 def sglang_line() -> str:
     try:
         sglang = importlib.import_module("sglang")
     except ImportError:
         return "SGLang: not installed here (kdtree.sglang.patch() switches a DDTree worker over where it is)"
     version = getattr(sglang, "__version__", "version unknown")
-    # Under KDTREE_SGLANG=1 kdtree.sglang patches on import, and the startup hook patches the
-    # worker modules as they load; info only asks, so both stand aside while it looks.
-    flag = os.environ.pop("KDTREE_SGLANG", None)
-    try:
+    with _only_asking():
         from .sglang.patch import PatchError, check_patch, imported_copies
-        from .sglang.startup_hook import hook_aside
-        with hook_aside():
+        try:
             mod, originals = check_patch()
-    except PatchError as e:
-        return f"SGLang {version}: patch() would refuse: {e}"
-    finally:
-        if flag is not None:
-            os.environ["KDTREE_SGLANG"] = flag
+        except PatchError as e:
+            return f"SGLang {version}: patch() would refuse: {e}"
     names = ", ".join([f"{mod.__name__}.{n}" for n in originals] +
                       [f"{m.__name__}.{n}" for m, n in imported_copies(mod, originals)])
     return f"SGLang {version}: patch() (or KDTREE_SGLANG=1) would replace {names}"
@@ -150,18 +162,13 @@ def attention_line() -> str | None:
         importlib.import_module("sglang")
     except ImportError:
         return None   # sglang_line says so
-    flag = os.environ.pop("KDTREE_SGLANG_ATTENTION", None)
-    try:
+    with _only_asking():
         from .sglang.backend import check_attention_patch
         from .sglang.patch import PatchError
-        from .sglang.startup_hook import hook_aside
-        with hook_aside():
+        try:
             cls, _ = check_attention_patch()
-    except PatchError as e:
-        return f"SGLang attention: patch_attention() would refuse: {e}"
-    finally:
-        if flag is not None:
-            os.environ["KDTREE_SGLANG_ATTENTION"] = flag
+        except PatchError as e:
+            return f"SGLang attention: patch_attention() would refuse: {e}"
     return (f"SGLang attention: patch_attention() (or KDTREE_SGLANG_ATTENTION=1) would replace "
             f"{cls.__module__}.{cls.__name__}.forward_extend (MLA tree verify on kdtree's kernel)")
 

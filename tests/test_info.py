@@ -136,8 +136,9 @@ def test_hook_line_finds_the_pth_and_the_hook_on_the_path(tmp_path, monkeypatch)
 
 
 def test_info_under_kdtree_sglang_1_only_asks(tmp_path):
-    """With KDTREE_SGLANG=1 in the environment, `kdtree info` imports kdtree.sglang without
-    letting it patch the worker: it says what patch() would replace and replaces nothing."""
+    """With KDTREE_SGLANG=1 and KDTREE_SGLANG_ATTENTION=1 in the environment, `kdtree info`
+    imports kdtree.sglang without letting it patch: it says what patch() and
+    patch_attention() would replace and replaces nothing."""
     import os
     import subprocess
 
@@ -148,7 +149,15 @@ def test_info_under_kdtree_sglang_1_only_asks(tmp_path):
     (pkg / "__init__.py").write_text("")
     (pkg / "ddtree_utils.py").write_text("def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget):\n"
                                          "    return 'cpu path'\n")
-    env = dict(os.environ, KDTREE_SGLANG="1", PYTHONPATH=os.pathsep.join(
+    att = tmp_path / "sglang" / "srt" / "layers" / "attention"
+    att.mkdir(parents=True)
+    for d in (att.parent, att):
+        (d / "__init__.py").write_text("")
+    (att / "triton_backend.py").write_text(
+        "class TritonAttnBackend:\n"
+        "    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None):\n"
+        "        return 'triton'\n")
+    env = dict(os.environ, KDTREE_SGLANG="1", KDTREE_SGLANG_ATTENTION="1", PYTHONPATH=os.pathsep.join(
         [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     # As installed (the startup hook active from interpreter start) and without the hook.
     hook = pathlib.Path(info.__file__).parent / "sglang" / "startup_hook.py"
@@ -162,4 +171,6 @@ def test_info_under_kdtree_sglang_1_only_asks(tmp_path):
         assert r.returncode == 0, r.stderr
         assert "SGLang 0.5.99: patch() (or KDTREE_SGLANG=1) would replace " \
                "sglang.srt.speculative.ddtree_utils.build_ddtree_tree_from_topk" in r.stdout, argv
+        assert "patch_attention() (or KDTREE_SGLANG_ATTENTION=1) would replace sglang.srt.layers.attention." \
+               "triton_backend.TritonAttnBackend.forward_extend" in r.stdout, argv
         assert "replaced" not in r.stderr

@@ -12,7 +12,7 @@ from kdtree.harness.sweeps import tree_build, verify_attn
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.sglang import reference as sglang_ref
 from kdtree.harness.workloads import stage_a_inputs
-from sglang_backend import fake_extend_attention_fwd  # tests/sglang_backend.py
+from sglang_backend import fake_extend_attention_fwd, random_visibility  # tests/sglang_backend.py
 
 WORKER = "sglang.srt.speculative.ddtree_utils"
 TRITON = sglang_peers.TRITON_MODULES[0]
@@ -110,13 +110,7 @@ def tree_case(B, D, H, P, seed=0):
     cache = torch.randn(B * S + 3, 1, 576, generator=g).bfloat16()
     table = torch.randperm(B * S + 3, generator=g)[:B * S].view(B, S).int()
     q = torch.randn(B, D, H, 576, generator=g).bfloat16()
-    vis = torch.zeros(B, D, D, dtype=torch.bool)
-    for i in range(D):
-        if i:
-            par = torch.randint(0, i, (B,), generator=g)
-            vis[:, i] = vis[torch.arange(B), par]
-        vis[:, i, i] = True
-    return q, cache, table, torch.full((B,), S, dtype=torch.int32), vis
+    return q, cache, table, torch.full((B,), S, dtype=torch.int32), random_visibility(B, D, g)
 
 
 @pytest.mark.parametrize("B,D,H,P", [(2, 5, 3, 7), (3, 1, 2, 4), (2, 6, 1, 0), (1, 9, 4, 33)])
