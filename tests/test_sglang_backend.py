@@ -305,3 +305,32 @@ def test_patch_on_sglangs_own_backend(ref_kernel):
     assert stand_in.kernel_calls == 2   # unpatched: SGLang's method calls its kernel
     for g, w in zip(got, want):
         assert torch.allclose(g.double(), w.double(), atol=3e-2)
+
+
+def test_micro_batches_interleaving_layers_on_one_backend(ref_kernel, patched):
+    """A batch of four run as two micro-batches of two whose layers interleave on one backend
+    (A 0, B 0, A 1, B 1): each layer attends with its own micro-batch's requests and tree."""
+    q = 4
+    case = sb.verify_forward(4, q, H, [5, 3, 7, 1], 2, "cpu", seed=41)
+    be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
+    halves, meta = [], []
+    for part in (slice(0, 2), slice(2, 4)):
+        rows = slice(part.start * q, part.stop * q)
+        mask, _ = sglang_ref.custom_mask(case.vis[part].numpy(), np.asarray(case.prefixes[part]))
+        fb = types.SimpleNamespace(
+            forward_mode=sb.ForwardMode(True), req_pool_indices=case.fb.req_pool_indices[part].clone(),
+            seq_lens=case.fb.seq_lens[part].clone(), out_cache_loc=case.fb.out_cache_loc[rows].clone(),
+            spec_info=types.SimpleNamespace(custom_mask=torch.from_numpy(mask)), batch_size=2)
+        be.init_forward_metadata(fb)
+        halves.append((fb, rows))
+        meta.append(be.forward_metadata)
+    got = [[], []]
+    for i in range(2):
+        for h, (fb, rows) in enumerate(halves):
+            be.forward_metadata = meta[h]
+            k = case.ks[i][rows]
+            got[h].append(be.forward_extend(case.qs[i][rows], k, k[..., :512], sb.layer(i, H), fb))
+    for i, r in enumerate(sb.reference_outputs(case, q, H)):
+        g = torch.cat([got[0][i], got[1][i]])
+        assert torch.allclose(g.double(), r, atol=2e-2), float((g.double() - r).abs().max())
+    assert patched.taken == 4 and be.kernel_calls == 0 and ref_kernel.made[0].prepares == 4

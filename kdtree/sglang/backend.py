@@ -281,12 +281,14 @@ def tree_visibility(custom_mask, mask_indptr, prefix_lens, bs: int, q: int, out=
 
 class _State:
     """One backend's kdtree state: a VerifyAttention, visibility and lse buffers per (bs, q,
-    heads), and the last layer seen (a layer id at or below it starts a forward)."""
+    heads); the last layer seen and the metadata prepared from (the shape's entry, the
+    tensors' addresses)."""
 
     def __init__(self):
         self.shapes = {}
         self.last_layer = None
         self.current = None
+        self.metadata = None
 
 
 def _shape_state(backend, bs, qn, H, dev):
@@ -314,11 +316,16 @@ def _verify(backend, layer, forward_batch, args):
     qn = q.shape[0] // bs
     st, entry = _shape_state(backend, bs, qn, H, q.device)
     va = entry["verify"]
-    if st.last_layer is None or layer.layer_id <= st.last_layer or st.current is not entry:
-        # A forward's first attention layer: the requests and the tree, once for every layer.
+    # A forward starts where the layers start again or its metadata is other tensors (two
+    # micro-batches interleaving their layers on one backend, say): then the requests and the
+    # tree, once for every layer of it.
+    metadata = (forward_batch.req_pool_indices.data_ptr(), forward_batch.seq_lens.data_ptr(),
+                custom_mask.data_ptr(), mask_indptr.data_ptr())
+    if st.last_layer is None or layer.layer_id <= st.last_layer or st.current is not entry or \
+            st.metadata != metadata:
         va.prepare(forward_batch.req_pool_indices, forward_batch.seq_lens)
         tree_visibility(custom_mask, mask_indptr, forward_batch.seq_lens, bs, qn, out=entry["vis"],
                         rows=entry["rows"])
-        st.current = entry
+        st.current, st.metadata = entry, metadata
     st.last_layer = layer.layer_id
     va.run(q, k_buffer, backend.req_to_token, None, None, entry["vis"], scale, out=(o, entry["lse"]))
