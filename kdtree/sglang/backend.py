@@ -142,6 +142,8 @@ def patch_attention(target=None, verbose: bool = True) -> AttentionPatch:
             if not call.called:
                 p.say("SGLang's forward_extend took a path without extend_attention_fwd")
 
+    # Opaque to torch.compile: the wrapper sets an attribute for one call and reads addresses.
+    forward_extend = torch.compiler.disable(forward_extend)
     forward_extend._kdtree_original = original
     forward_extend.__doc__ = original.__doc__
     cls.forward_extend = forward_extend
@@ -308,7 +310,6 @@ def _shape_state(backend, bs, qn, H, dev):
     return st, entry
 
 
-@torch.compiler.disable
 def _verify(backend, layer, forward_batch, args):
     """One layer's tree verify on kdtree's kernel, into extend_attention_fwd's output."""
     q, o, k_buffer, custom_mask, mask_indptr, scale = args[0], args[3], args[4], args[9], args[11], args[15]
