@@ -59,6 +59,7 @@ class _Handler(BaseHTTPRequestHandler):
                 served = self.server.served
             return self._json(200, {"version": "0.5.test", "model_path": "fake/K2-mini",
                                     "speculative_algorithm": "DDTREE", "speculative_num_draft_tokens": 64,
+                                    "attention_backend": "triton", "decode_attention_backend": None, "tp_size": 8,
                                     "internal_states": [{"avg_spec_accept_length": served or None}]})
         if self.path == "/v1/models" and self.b.fault != "non_sglang":
             return self._json(200, {"data": [{"id": "fake/K2-mini"}]})

@@ -495,7 +495,7 @@ def test_provenance_commit_told_by_the_environment(monkeypatch):
 def _verify_rows(tmp_path, triton_us, ours_us, **at):
     """Verify-sweep rows of SGLang's Triton kernel and kdtree's at page size 1 (and a page-64
     row that must not be taken)."""
-    base = dict(batch=4, D=65, heads=8, prefix=8192, status="ok", **at)
+    base = dict(dict(batch=4, D=65, heads=8, prefix=8192, status="ok"), **at)
     pd.DataFrame([dict(base, impl="sglang_triton", page_size=1, median_us=triton_us),
                   dict(base, impl="kdtree_kernel", page_size=1, median_us=ours_us),
                   dict(base, impl="kdtree_kernel", page_size=64, median_us=1.0)]).to_parquet(
@@ -517,7 +517,8 @@ def test_breakdown_projects_kdtree_sglang_attention(tmp_path):
     assert att["rest of step, less verify attention"] == pytest.approx(15.5 - 61 * 0.2)
     assert att["verify attention (kdtree, 61 layers)"] == pytest.approx(61 * 0.01)
     assert att.sum() == pytest.approx(15.5 - 61 * 0.19 + 0.04 + 0.005)
-    assert "assumed to verify with SGLang's Triton kernel, 61 layers of 8 heads" in t.notes.iloc[0]
+    assert "(assumed: the server reports no attention backend), 61 layers of 8 heads a GPU (K2's 64 heads, " \
+           "TP 8 assumed)" in t.notes.iloc[0]
     assert "timed at" not in t.notes.iloc[0]   # 8000 + 384 / 2 = 8192: the exact row
     from kdtree.harness.figures import step_breakdown
     step_breakdown(t, tmp_path / "step.png")
@@ -533,3 +534,24 @@ def test_breakdown_draws_no_attention_bar_where_triton_outlasts_the_step(tmp_pat
     assert not t.scenario.str.contains("KDTREE_SGLANG_ATTENTION").any()
     notes = t.notes.iloc[0]
     assert "a context of 8192 tokens assumed" in notes and "does not verify with it" in notes
+
+
+def test_breakdown_reads_the_servers_backend_and_parallelism(tmp_path):
+    """The probe's /server_info fields: Triton at TP 4 takes the 16-head rows; another backend
+    draws no attention bar."""
+    pd.DataFrame([dict(batch=4, budget=64, impl="gpu_kernel", metric="device_time", median_us=40.0, status="ok")]
+                 ).to_parquet(tmp_path / "tree_build.parquet")
+    _accept_and_probe(tmp_path)
+    _verify_rows(tmp_path, 200.0, 10.0, heads=16)
+    for backends, tp, bar in (('{"attention_backend": "triton"}', 4, True), ('{"attention_backend": "fa3"}', 4, False),
+                              ('{"decode_attention_backend": "triton", "prefill_attention_backend": "fa3"}', 4, True)):
+        pd.DataFrame([dict(verify_step_ms=20.0, concurrency=4, tree_budget=64, attention_backends=backends,
+                           tp_size=tp)]).to_parquet(tmp_path / "probe_summary.parquet")
+        t = breakdown_table(tmp_path)
+        assert t.scenario.str.contains("KDTREE_SGLANG_ATTENTION").any() == bar, backends
+        notes = t.notes.iloc[0]
+        if bar:
+            assert "(reported by the server), 61 layers of 16 heads a GPU (K2's 64 heads, TP 4, reported)" in notes
+            assert "timed at" not in notes
+        else:
+            assert "not SGLang's Triton kernel, so no KDTREE_SGLANG_ATTENTION bar" in notes

@@ -40,6 +40,7 @@ def test_figures_match_what_the_server_produces():
     assert s["verify_step_ms"] == pytest.approx(1e3 * (M / steps) / want_decode, rel=0.05)
     assert s["model"] == "fake/K2-mini" and s["server_version"] == "0.5.test"
     assert s["tree_budget"] == 64
+    assert s["attention_backends"] == '{"attention_backend": "triton"}' and s["tp_size"] == 8
     assert s["server_avg_spec_accept_length_after"] == pytest.approx(M / steps)
     assert abs(s["accept_length_vs_server_rel"]) < 1e-9
 

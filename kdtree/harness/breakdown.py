@@ -7,12 +7,15 @@ sampling, scheduling) is unchanged: the projection is labelled as such.
 
 A second projection adds KDTREE_SGLANG_ATTENTION=1: where the service verifies with SGLang's
 Triton kernel, each of the model's attention layers takes the verify sweep's Triton time,
-which kdtree's replaces (page size 1, SGLang's pool). The probe cannot see the backend or the
-model's shape, so both are assumptions, said in the notes; where the Triton layers alone
-would outlast the measured step, the service does not verify that way and no bar is drawn.
+which kdtree's replaces (page size 1, SGLang's pool). The probe reads the server's attention
+backends and tensor parallelism from /server_info where it reports them: a backend other than
+Triton draws no bar; one unreported is assumed Triton, and the model's shape is assumed K2's,
+each said in the notes; where the Triton layers alone would outlast the measured step, the
+service does not verify that way and no bar is drawn.
 """
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pandas as pd
@@ -61,8 +64,8 @@ def _typical_tree(d: pd.DataFrame | None) -> pd.DataFrame | None:
 
 
 # The model the verify-attention projection assumes: Kimi K2 (DeepSeek-V3's shape: 61 MLA
-# layers, 64 heads) over tensor parallelism 8, so 8 heads a GPU.
-LAYERS, HEADS_PER_GPU = 61, 8
+# layers, 64 heads), over tensor parallelism 8 where the server does not report its own.
+LAYERS, HEADS, TP = 61, 64, 8
 # The context a verify step attends to where the probe recorded no lengths.
 DEFAULT_CONTEXT = 8192
 
@@ -151,17 +154,33 @@ def breakdown_table(results_dir, kernel_times_dir=None) -> pd.DataFrame | None:
             notes.append("no GPU accept row: the projection keeps the CPU walk")
         rows += [(proj, "rest of step", rest), (proj, "tree build (GPU)", gpu.median_us / 1e3),
                  (proj, "accept (GPU)", acc_gpu.median_us / 1e3 if acc_gpu is not None else walk_cpu)]
-        rows += _attention_rows(rd, kernel_times_dir, batch, budget, rest, rows[-2:], notes)
+        rows += _attention_rows(rd, kernel_times_dir, s, batch, budget, rest, rows[-2:], notes)
     t = pd.DataFrame(rows, columns=["scenario", "component", "ms"])
     t["batch"], t["budget"], t["verify_step_ms"] = batch, budget, step
     t["notes"] = "; ".join(notes)
     return t
 
 
-def _attention_rows(rd, kernel_times_dir, batch: int, budget: int, rest: float, kernels: list, notes: list):
+def _served_by(probe: pd.Series) -> tuple[dict, int | None]:
+    """The server's attention backends and tensor parallelism, as the probe read them."""
+    try:
+        backends = json.loads(probe.get("attention_backends") or "{}")
+    except (TypeError, ValueError):
+        backends = {}
+    tp = probe.get("tp_size")
+    return (backends if isinstance(backends, dict) else {}), (int(tp) if pd.notna(tp) and tp else None)
+
+
+def _attention_rows(rd, kernel_times_dir, probe: pd.Series, batch: int, budget: int, rest: float, kernels: list,
+                    notes: list):
     """The projection with KDTREE_SGLANG_ATTENTION=1 as well: the rest of the step less
     LAYERS layers of SGLang's Triton tree verify, plus as many of kdtree's (verify sweep rows
     of this run, else of `kernel_times_dir`), beside the GPU build and accept (`kernels`)."""
+    backends, tp = _served_by(probe)
+    if backends and "triton" not in backends.values():
+        notes.append(f"the server reports attention backends {backends}: not SGLang's Triton kernel, so no "
+                     "KDTREE_SGLANG_ATTENTION bar")
+        return []
     va = read_ok_rows(rd / "verify_attn.parquet")
     source = "this run"
     if _verify_rows(va, "sglang_triton").empty and kernel_times_dir:
@@ -175,12 +194,15 @@ def _attention_rows(rd, kernel_times_dir, batch: int, budget: int, rest: float, 
                      "no KDTREE_SGLANG_ATTENTION projection")
         return []
     P = _context(pathlib.Path(rd), notes)
-    want = dict(batch=batch, D=budget + 1, heads=HEADS_PER_GPU, prefix=P)
+    heads = HEADS // (tp or TP)
+    want = dict(batch=batch, D=budget + 1, heads=heads, prefix=P)
     t = _pick(triton, "SGLang's Triton verify", notes, **want)
     k = _pick(ours, "kdtree's verify", notes, **want)
     triton_ms, ours_ms = LAYERS * t.median_us / 1e3, LAYERS * k.median_us / 1e3
-    notes.append(f"KDTREE_SGLANG_ATTENTION projection: the service assumed to verify with SGLang's Triton kernel, "
-                 f"{LAYERS} layers of {HEADS_PER_GPU} heads a GPU (K2 over TP 8), verify times from {source}")
+    how = "reported by the server" if backends else "assumed: the server reports no attention backend"
+    over = f"TP {tp}, reported" if tp else f"TP {TP} assumed"
+    notes.append(f"KDTREE_SGLANG_ATTENTION projection: SGLang's Triton verify ({how}), {LAYERS} layers of "
+                 f"{heads} heads a GPU (K2's {HEADS} heads, {over}), verify times from {source}")
     if triton_ms > rest:
         notes.append(f"{LAYERS} layers of SGLang's Triton verify ({triton_ms:.3g} ms) outlast the rest of the "
                      f"measured step ({rest:.3g} ms): this service does not verify with it (another backend, or "

@@ -238,9 +238,19 @@ async def server_identity(client, cfg: ProbeConfig) -> dict:
         pass
     spec = {k: info.get(k) for k in ("speculative_algorithm", "speculative_num_steps",
                                       "speculative_eagle_topk", "speculative_num_draft_tokens")}
+    # Which attention kernels verify (the whole-step breakdown's KDTREE_SGLANG_ATTENTION bar).
+    backends = {k: info[k] for k in ATTENTION_KEYS if isinstance(info.get(k), str) and info[k]}
+    tp = info.get("tp_size")
     return {"server_url": base, "model": model, "server_version": str(info.get("version", "")),
             "spec_settings": json.dumps(spec, sort_keys=True), "tree_budget": spec.get("speculative_num_draft_tokens"),
-            "avg_spec_accept_length": server_accept_length(info), "has_metrics": bool(metrics)}
+            "avg_spec_accept_length": server_accept_length(info), "has_metrics": bool(metrics),
+            "attention_backends": json.dumps(backends, sort_keys=True),
+            "tp_size": tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else None}
+
+
+# /server_info's server arguments naming the attention backends (one for all, or prefill's and
+# decode's apart).
+ATTENTION_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
 
 def server_accept_length(info) -> float | None:
@@ -426,7 +436,7 @@ def finish(cfg: ProbeConfig, st: ProbeRun) -> tuple[pd.DataFrame, dict, str]:
     df = df.sort_values("request_index").reset_index(drop=True)
     ident = st.ident or {"server_url": cfg.url.rstrip("/"), "model": "", "server_version": "",
                          "spec_settings": "", "tree_budget": None, "avg_spec_accept_length": None,
-                         "has_metrics": False}
+                         "has_metrics": False, "attention_backends": "", "tp_size": None}
     summary = summarize(df, st.wall_s, cfg, ident)
     server_after = server_accept_length(st.server_after)
     summary["server_avg_spec_accept_length_after"] = server_after
