@@ -29,7 +29,8 @@ except _metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
 
 def __getattr__(name: str):
     """``kdtree.sglang`` on first use, as the README writes it (``import kdtree`` alone does
-    not load the drop-in: importing it with ``KDTREE_SGLANG=1`` patches a worker)."""
+    not load the drop-in: importing it with ``KDTREE_SGLANG=1`` patches a worker, with
+    ``KDTREE_SGLANG_ATTENTION=1`` SGLang's Triton backend)."""
     if name == "sglang":
         import importlib
         return importlib.import_module(".sglang", __name__)
