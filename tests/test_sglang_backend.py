@@ -245,10 +245,11 @@ def test_kernel_arguments_it_does_not_know_go_to_sglang():
     q, o, kv = torch.zeros(6, 2, 576), torch.zeros(6, 2, 512), torch.zeros(9, 1, 576, dtype=torch.bfloat16)
     args = (q, None, None, o, kv, None, None, None, None, torch.ones(3), True, torch.zeros(3), 3, 1.0, 1.0, 0.13)
     assert backend._why_not_kernel(args, dict(page_size=64, extend_seq_lens_cpu=[3, 3], logit_cap=0.0)) is None
-    for kw, why in [(dict(lse_extend=torch.zeros(6, 2)), "lse_extend="), (dict(score_mod=abs), "score_mod="),
-                    (dict(skip_prefix=True), "skip_prefix="), (dict(skip_prefix_custom_mask=False), "skip_prefix_"),
+    for kw, why in [(dict(lse_extend=torch.zeros(6, 2)), "lse_extend set"), (dict(score_mod=abs), "score_mod set"),
+                    (dict(skip_prefix=True), "skip_prefix set"),
+                    (dict(skip_prefix_custom_mask=False), "skip_prefix_custom_mask set"),
                     (dict(new_option=1), "an argument kdtree does not know: new_option")]:
-        assert why in backend._why_not_kernel(args, kw)
+        assert backend._why_not_kernel(args, kw) == why
     assert "15 positional" in backend._why_not_kernel(args[:15], {})
     assert "not bf16" in backend._why_not_kernel(args[:4] + (kv.float(),) + args[5:], {})
     assert "not [tokens, H, 576]" in backend._why_not_kernel((o,) + args[1:], {})

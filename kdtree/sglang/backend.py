@@ -229,8 +229,9 @@ def _why_not_kernel(args, kwargs):
         return "scaled K/V"
     for name, value in kwargs.items():
         if name in NEUTRAL and not NEUTRAL[name](value):
+            # The option's name, never its value: one reason a kind of call, said once.
             return {"logit_cap": "logit cap", "sliding_window_size": "sliding window", "sinks": "attention sinks",
-                    "xai_temperature_len": "attention temperature"}.get(name, f"{name}={value!r}")
+                    "xai_temperature_len": "attention temperature"}.get(name, f"{name} set")
         if name not in NEUTRAL and name not in IGNORED:
             return f"an argument kdtree does not know: {name}"
     if q.dim() != 3 or q.shape[2] != QK_DIM or o.shape != (q.shape[0], q.shape[1], V_DIM):
