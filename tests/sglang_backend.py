@@ -100,14 +100,14 @@ class TritonAttnBackend:
         seq = fb.seq_lens.long().cpu()
         rows = fb.req_pool_indices.long().cpu()
         dev = fb.seq_lens.device
-        kv_indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
-        kv_indptr[1:] = torch.cumsum(seq, 0)
+        kv_indptr = torch.zeros(len(seq) + 1, dtype=torch.int32)   # SGLang's dtypes: i32 offsets,
+        kv_indptr[1:] = torch.cumsum(seq, 0)                          # i64 slots and mask offsets
         kv_indices = torch.cat([self.req_to_token[r, :s].long().cpu() for r, s in zip(rows.tolist(), seq.tolist())]
                                + [torch.zeros(0, dtype=torch.int64)])
         mask_indptr = torch.zeros(len(seq) + 1, dtype=torch.int64)
         mask_indptr[1:] = torch.cumsum(q * (seq + q), 0)
         self.forward_metadata = types.SimpleNamespace(
-            qo_indptr=(torch.arange(len(seq) + 1) * q).to(dev), kv_indptr=kv_indptr.to(dev),
+            qo_indptr=(torch.arange(len(seq) + 1, dtype=torch.int32) * q).to(dev), kv_indptr=kv_indptr.to(dev),
             kv_indices=kv_indices.to(dev), custom_mask=getattr(fb.spec_info, "custom_mask", None),
             mask_indptr=mask_indptr.to(dev), max_extend_len=q)
 

@@ -330,3 +330,35 @@ def test_attention_patch_forward_replays_in_a_cuda_graph():
         for g, w in zip(outs, want_b):
             assert _close(g, w)
         assert be.kernel_calls == 0 and not p.left
+
+
+def test_attention_patch_matches_sglangs_triton_kernel():
+    """Where SGLang's Triton extend kernel imports: the stand-in backend's target verify on
+    SGLang's own kernel, then patched onto kdtree's, over the same forward (ragged prefixes, a
+    uint8 mask): both against the float64 attention, and against each other."""
+    import sglang_backend as sb  # tests/sglang_backend.py
+    from kdtree.harness import sglang_peers
+    from kdtree.sglang import backend
+
+    fn, why = sglang_peers.triton_verify()
+    if fn is None:
+        pytest.skip(f"SGLang's Triton kernel does not import here: {why[:120]}")
+    H, q = 8, 17
+    outs = []
+    for patched in (False, True):
+        case = sb.verify_forward(2, q, H, [300, 1000], 2, DEV, seed=13, mask_dtype=torch.uint8)
+        be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
+        be.extend_attention_fwd = be._count(fn)
+        be.init_forward_metadata(case.fb)
+        if patched:
+            with backend.patch_attention(sb.TritonAttnBackend, verbose=False) as p:
+                outs.append(sb.run_layers(be, case, H))
+            assert p.taken == 2 and be.kernel_calls == 0
+        else:
+            outs.append(sb.run_layers(be, case, H))
+            assert be.kernel_calls == 2
+        torch.cuda.synchronize()
+        for g, w in zip(outs[-1], sb.reference_outputs(case, q, H)):
+            assert _close(g, w), patched
+    for a, b in zip(*outs):
+        assert float((a.double() - b.double()).abs().max()) < 3e-2
