@@ -65,7 +65,8 @@ def outputs(case, q):
 
 @pytest.mark.parametrize("bs,q,prefixes", [(1, 5, [7]), (3, 4, [0, 9, 2]), (2, 9, [33, 1])])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
-def test_patched_backend_gives_the_triton_kernels_attention(ref_kernel, patched, bs, q, prefixes, mask_dtype):
+def test_patched_backend_gives_the_triton_kernels_attention(ref_kernel, patched, capsys, bs, q, prefixes,
+                                                            mask_dtype):
     """The patched target verify against SGLang's own (the stand-in's float64 Triton contract),
     three layers: the same outputs, the same pool, SGLang's kernel never called, the rows and
     the mask prepared once for the forward."""
@@ -81,6 +82,8 @@ def test_patched_backend_gives_the_triton_kernels_attention(ref_kernel, patched,
     for a, b in zip(case.pool.kv, want.pool.kv):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))   # the same KV written, NaN-free
     assert patched.taken == 3 and not patched.left and be.kernel_calls == 0
+    err = capsys.readouterr().err
+    assert err.count("ran on kdtree's kernel") == 1 and f"({bs * q} query rows, {H} heads)" in err
     (va,) = ref_kernel.made
     assert va.prepares == 1 and (va.bs, va.q, va.H, va.max_seq_len) == (bs, q, H, case.req_to_token.shape[1])
 
