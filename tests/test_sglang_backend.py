@@ -188,6 +188,23 @@ def test_without_a_gpu_kdtree_refuses_and_sglang_computes(patched, capsys):
     assert reason.startswith("kdtree refused the inputs:") and "CUDA" in reason
 
 
+def test_a_library_that_cannot_load_leaves_the_call_to_sglang(monkeypatch, patched):
+    """kdtree's library missing (or built for no arch of this GPU) is a reason, not a crash."""
+    class NoLibrary:
+        def __init__(self, *a, **k):
+            raise RuntimeError("libkdtree is not built and could not be compiled here: no nvcc")
+
+    monkeypatch.setattr(backend, "VerifyAttention", NoLibrary)
+    q = 3
+    case = sb.verify_forward(1, q, H, [4], 1, "cpu", seed=9)
+    be = sb.TritonAttnBackend(case.pool, case.req_to_token, q)
+    be.init_forward_metadata(case.fb)
+    out = be.forward_extend(case.qs[0], case.ks[0], case.ks[0][..., :512], sb.layer(0, H), case.fb)
+    assert be.kernel_calls == 1 and not torch.isnan(out).any()
+    assert list(patched.left) == ["kdtree could not run: libkdtree is not built and could not be compiled here: "
+                                  "no nvcc"]
+
+
 def test_patch_names_what_it_replaced_and_undoes(capsys):
     original = sb.TritonAttnBackend.forward_extend
     mod = types.ModuleType(sb.BACKEND_MODULE)

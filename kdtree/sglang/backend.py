@@ -258,6 +258,8 @@ class _TreeVerify:
                 _verify(self.backend, self.layer, self.fb, args)
             except ValueError as e:   # kdtree's InputError: the call is SGLang's after all
                 why = f"kdtree refused the inputs: {e}"
+            except RuntimeError as e:   # no library here, or none for this GPU: never the server's end
+                why = f"kdtree could not run: {e}"
             else:
                 if self.patch.taken == 0 and self.patch.verbose:   # the switch is seen to work, once
                     print(f"kdtree.sglang: a tree-verify layer ran on kdtree's kernel ({args[0].shape[0]} query rows, "
