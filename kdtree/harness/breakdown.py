@@ -186,9 +186,9 @@ def _attention_rows(rd, kernel_times_dir, probe: pd.Series, batch: int, budget: 
     if _verify_rows(va, "sglang_triton").empty and kernel_times_dir:
         va = read_ok_rows(pathlib.Path(kernel_times_dir) / "verify_attn.parquet")
         source = str(kernel_times_dir)
-    triton, ours = _verify_rows(va, "sglang_triton"), _verify_rows(va, "kdtree_kernel")
     if va is None:
         return []   # no verify sweep here or in the fallback: nothing to project
+    triton, ours = _verify_rows(va, "sglang_triton"), _verify_rows(va, "kdtree_kernel")
     if triton.empty or ours.empty:
         notes.append("no verify sweep rows of SGLang's Triton kernel and kdtree's at page size 1: "
                      "no KDTREE_SGLANG_ATTENTION projection")

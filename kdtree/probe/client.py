@@ -203,6 +203,11 @@ async def _get_json(client, url: str, timeout: float):
         return None, r.status_code
 
 
+# /server_info's server arguments naming the attention backends (one for all, or prefill's and
+# decode's apart).
+ATTENTION_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
 async def server_identity(client, cfg: ProbeConfig) -> dict:
     """/health, then /server_info (or /get_server_info), /v1/models and /metrics when present.
     Every call waits at most setup_timeout(cfg)."""
@@ -247,10 +252,6 @@ async def server_identity(client, cfg: ProbeConfig) -> dict:
             "attention_backends": json.dumps(backends, sort_keys=True),
             "tp_size": tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else None}
 
-
-# /server_info's server arguments naming the attention backends (one for all, or prefill's and
-# decode's apart).
-ATTENTION_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
 
 
 def server_accept_length(info) -> float | None:

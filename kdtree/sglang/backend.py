@@ -29,14 +29,13 @@ from __future__ import annotations
 import collections
 import importlib
 import inspect
-import os
 import sys
 
 import torch
 
 from .attention import VerifyAttention
-from .patch import PatchError
-from .startup_hook import BACKEND_CLASS, BACKEND_MODULES, watching
+from .patch import PatchError, env_patch
+from .startup_hook import BACKEND_CLASS, BACKEND_MODULES
 
 QK_DIM, V_DIM = 576, 512
 # forward_extend's leading parameters, as the Triton backend's method takes them.
@@ -163,20 +162,8 @@ def unpatch_attention() -> bool:
 
 
 def patch_attention_from_env():
-    """Patches when KDTREE_SGLANG_ATTENTION=1; a refusal is printed, not raised."""
-    flag = os.environ.get("KDTREE_SGLANG_ATTENTION", "")
-    if flag in ("", "0"):
-        return None
-    if flag != "1":
-        print(f"kdtree.sglang: KDTREE_SGLANG_ATTENTION={flag!r} ignored (expected 1 or 0)", file=sys.stderr)
-        return None
-    if watching(BACKEND_MODULES[0]):
-        return None   # the startup hook patches the backend's module as it is imported
-    try:
-        return patch_attention()
-    except PatchError as e:
-        print(f"kdtree.sglang: KDTREE_SGLANG_ATTENTION=1 but not patched: {e}", file=sys.stderr)
-        return None
+    """Patches when KDTREE_SGLANG_ATTENTION=1; see kdtree.sglang.patch.env_patch."""
+    return env_patch("KDTREE_SGLANG_ATTENTION", BACKEND_MODULES[0], patch_attention)
 
 
 def _num(x) -> float:

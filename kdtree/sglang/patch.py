@@ -158,18 +158,24 @@ def unpatch(module=None) -> bool:
 
 def patch_from_env():
     """Patches when KDTREE_SGLANG=1 (the module from KDTREE_SGLANG_MODULE, else the known
-    ones); any other value does nothing. A refusal is printed, not raised: a serving
-    process keeps its own CPU path rather than failing to start."""
-    flag = os.environ.get("KDTREE_SGLANG", "")
-    if flag in ("", "0"):
+    ones); see env_patch."""
+    named = os.environ.get("KDTREE_SGLANG_MODULE")
+    return env_patch("KDTREE_SGLANG", named or MODULES[0], lambda: patch(named or None))
+
+
+def env_patch(var: str, module: str, apply):
+    """``apply()`` where ``var`` is 1, unless the startup hook watches ``module`` (it patches it
+    as it is imported, startup_hook.py); 0 or unset does nothing, another value is said and
+    ignored. A refusal is printed, not raised: a serving process keeps SGLang's own path
+    rather than failing to start."""
+    flag = os.environ.get(var, "")
+    if flag in ("", "0") or hook_watching(module):
         return None
-    if hook_watching(os.environ.get("KDTREE_SGLANG_MODULE") or MODULES[0]):
-        return None   # the startup hook patches each worker module as it is imported (startup_hook.py)
     if flag != "1":
-        print(f"kdtree.sglang: KDTREE_SGLANG={flag!r} ignored (expected 1 or 0)", file=sys.stderr)
+        print(f"kdtree.sglang: {var}={flag!r} ignored (expected 1 or 0)", file=sys.stderr)
         return None
     try:
-        return patch(os.environ.get("KDTREE_SGLANG_MODULE") or None)
+        return apply()
     except PatchError as e:
-        print(f"kdtree.sglang: KDTREE_SGLANG=1 but not patched: {e}", file=sys.stderr)
+        print(f"kdtree.sglang: {var}=1 but not patched: {e}", file=sys.stderr)
         return None
