@@ -87,6 +87,43 @@ def test_builder_refuses_bad_input():
         ref.build_ddtree_tree_from_topk(bad, ids[0], 4)
 
 
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor the builder takes for a CUDA one: its GPU path, without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_builder_builds_on_the_cpu_where_kdtree_cannot_run(monkeypatch, capsys):
+    from kdtree.sglang import builder
+
+    def no_library(*a):
+        raise RuntimeError("libkdtree is not built and could not be compiled here: no nvcc")
+
+    monkeypatch.setattr(builder, "_build_on_gpu", no_library)
+    monkeypatch.setattr(builder, "_SAID", [])
+    for seed, budget in [(3, 16), (4, 64), (5, 1)]:
+        lp, ids = stage_a_inputs(1, 15, 300, budget, seed=seed, coarse_fraction=0.5)
+        got = sglang.build_ddtree_tree_from_topk(lp[0].as_subclass(_SaysCuda), ids[0].as_subclass(_SaysCuda), budget)
+        want = ref.build_ddtree_tree_from_topk(lp[0], ids[0], budget)
+        assert [torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w for g, w in zip(got, want)] == [True] * 7
+    err = capsys.readouterr().err
+    assert err.count("tree builds run on the CPU") == 1 and "no nvcc" in err   # said once, with the cause
+
+
+def test_builder_says_bad_input_rather_than_falling_back(monkeypatch):
+    from kdtree.sglang import builder
+
+    def refuses(*a):
+        raise InputError("top_log_probs: NaN or +inf; log-probs must be finite or -inf")
+
+    monkeypatch.setattr(builder, "_build_on_gpu", refuses)
+    lp, ids = stage_a_inputs(1, 4, 50, 8, seed=2)
+    with pytest.raises(InputError, match="top_log_probs: NaN"):
+        sglang.build_ddtree_tree_from_topk(lp[0].as_subclass(_SaysCuda), ids[0].as_subclass(_SaysCuda), 8)
+
+
 def mixed_round(seed, bs=5, q=33, V=60):
     rng = np.random.default_rng(seed)
     budgets = rng.choice([0, 1, 7, q - 1, q - 1], size=bs)

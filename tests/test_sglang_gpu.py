@@ -35,6 +35,30 @@ def test_builder_on_cuda_is_byte_identical(golden):
                 assert g == w, (i, k)
 
 
+def test_builder_on_cuda_without_a_library_builds_on_the_cpu(tmp_path):
+    # A server whose kdtree has no library (KDTREE_LIB names none): the worker's trees still
+    # come back, from the CPU build, and the log says why once.
+    import os
+    import subprocess
+    import sys
+    code = """
+import torch
+from kdtree import sglang
+from kdtree.harness.workloads import stage_a_inputs
+from kdtree.sglang import reference as ref
+for seed, budget in [(0, 16), (1, 64), (2, 256)]:
+    lp, ids = stage_a_inputs(1, 15, 500, budget, seed=seed, coarse_fraction=0.5)
+    got = sglang.build_ddtree_tree_from_topk(lp[0].cuda(), ids[0].cuda(), budget)
+    want = ref.build_ddtree_tree_from_topk(lp[0], ids[0], budget)
+    assert all(torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w for g, w in zip(got, want))
+print("same trees")
+"""
+    env = dict(os.environ, KDTREE_LIB=str(tmp_path / "none" / "libkdtree.so"))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "same trees" in r.stdout, r.stderr[-2000:]
+    assert r.stderr.count("tree builds run on the CPU") == 1 and "KDTREE_LIB=" in r.stderr
+
+
 def round_inputs(seed, bs, q, V=300):
     rng = np.random.default_rng(seed)
     budgets = rng.choice([0, 1, 5, q - 1, q - 1, q - 1], size=bs)

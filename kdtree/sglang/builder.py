@@ -2,6 +2,7 @@
 build behind it: what ``patch()`` puts in the worker's place."""
 from __future__ import annotations
 
+import sys
 import threading
 
 import torch
@@ -17,9 +18,31 @@ def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int, works
     (CPU tensors and Python lists, as the worker's callers expect). CPU inputs take the
     heapq build; CUDA inputs are built by the GPU kernel into one buffer kept per (device,
     budget), copied back to pinned memory in one copy, then one sync. ``workspace`` (the
-    DFlash + DDTree fork's CPU buffers) is taken and not used: the GPU build keeps its own."""
+    DFlash + DDTree fork's CPU buffers) is taken and not used: the GPU build keeps its own.
+    Where kdtree's library cannot load or launch here, the tree is built on the CPU as the
+    worker's own builder would, and that is said once."""
     if not (isinstance(top_log_probs, torch.Tensor) and top_log_probs.is_cuda):
         return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
+    try:
+        return _build_on_gpu(top_log_probs, top_token_ids, budget)
+    except ValueError:   # InputError: the caller's inputs, said as they are
+        raise
+    except RuntimeError as e:   # no library here, or none for this GPU: never the server's end
+        _say_cpu_fallback(e)
+        return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
+
+
+_SAID = []
+
+
+def _say_cpu_fallback(e) -> None:
+    if not _SAID:
+        _SAID.append(str(e))
+        print(f"kdtree.sglang: tree builds run on the CPU, as SGLang's own: kdtree could not run: {e}",
+              file=sys.stderr)
+
+
+def _build_on_gpu(top_log_probs, top_token_ids, budget):
     if isinstance(budget, bool) or not isinstance(budget, int) or budget > MAX_BUDGET:
         raise InputError(f"budget: expected an integer <= {MAX_BUDGET}, got {budget!r}")
     if top_log_probs.dim() != 2 or not isinstance(top_token_ids, torch.Tensor) or \
