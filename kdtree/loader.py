@@ -106,18 +106,35 @@ def jit_build() -> pathlib.Path:
     return target
 
 
-@functools.lru_cache(maxsize=1)
 def lib() -> ctypes.CDLL:
-    """The loaded library with its ABI declared; raises RuntimeError with what to do."""
+    """The loaded library with its ABI declared; raises RuntimeError with what to do. Its
+    failure is remembered as its success is (``lib.cache_clear()`` forgets both): a caller
+    that falls back on it (kdtree.sglang, each layer or request) does not hash the sources,
+    compile or load again on every call."""
+    so, error = _loaded()
+    if so is None:
+        raise RuntimeError(error)
+    return so
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded() -> tuple:
+    """``(library, None)``, or ``(None, why)`` where it cannot be found, built or loaded."""
     path = library_path()
-    if not path.exists():
-        if os.environ.get("KDTREE_LIB"):
-            raise RuntimeError(f"KDTREE_LIB={path}: no such file (build it with `python -m kdtree build`)")
-        try:
-            path = jit_build()
-        except (RuntimeError, OSError) as e:
-            raise RuntimeError(f"libkdtree is not built and could not be compiled here: {e}") from None
-    return load(path)
+    try:
+        if not path.exists():
+            if os.environ.get("KDTREE_LIB"):
+                raise RuntimeError(f"KDTREE_LIB={path}: no such file (build it with `python -m kdtree build`)")
+            try:
+                path = jit_build()
+            except (RuntimeError, OSError) as e:
+                raise RuntimeError(f"libkdtree is not built and could not be compiled here: {e}") from None
+        return load(path), None
+    except RuntimeError as e:
+        return None, str(e)
+
+
+lib.cache_clear = _loaded.cache_clear
 
 
 def load(path) -> ctypes.CDLL:

@@ -170,6 +170,28 @@ def test_loader_finds_named_packaged_then_jit_builds_once(tmp_path, monkeypatch,
         loader.lib.cache_clear()
 
 
+def test_loader_remembers_a_failure_until_cleared(tmp_path, monkeypatch, lib_path):
+    """A library that cannot be found is not looked for again on every call (kdtree.sglang
+    falls back on the error each layer or request); cache_clear() looks again."""
+    from kdtree import loader
+
+    monkeypatch.setenv("KDTREE_LIB", str(tmp_path / "missing.so"))
+    looked = []
+    real = loader.library_path
+    monkeypatch.setattr(loader, "library_path", lambda: looked.append(1) or real())
+    loader.lib.cache_clear()
+    try:
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="KDTREE_LIB=.*missing.so: no such file"):
+                loader.lib()
+        assert len(looked) == 1
+        monkeypatch.setenv("KDTREE_LIB", str(lib_path))
+        loader.lib.cache_clear()
+        assert loader.lib().kd_version() == loader.ABI_VERSION and len(looked) == 2
+    finally:
+        loader.lib.cache_clear()
+
+
 def test_kernel_selection_matches_reference_on_golden_cases(lib, golden):
     for i, c in enumerate(golden):
         par, dep = host_select(lib, c["top_lp"], int(c["budget"]))
