@@ -102,7 +102,7 @@ def test_builder_builds_on_the_cpu_where_kdtree_cannot_run(monkeypatch, capsys):
         raise RuntimeError("libkdtree is not built and could not be compiled here: no nvcc")
 
     monkeypatch.setattr(builder, "_build_on_gpu", no_library)
-    monkeypatch.setattr(builder, "_SAID", [])
+    monkeypatch.setattr(builder, "_said_fallback", False)
     for seed, budget in [(3, 16), (4, 64), (5, 1)]:
         lp, ids = stage_a_inputs(1, 15, 300, budget, seed=seed, coarse_fraction=0.5)
         got = sglang.build_ddtree_tree_from_topk(lp[0].as_subclass(_SaysCuda), ids[0].as_subclass(_SaysCuda), budget)

@@ -253,7 +253,6 @@ async def server_identity(client, cfg: ProbeConfig) -> dict:
             "tp_size": tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else None}
 
 
-
 def server_accept_length(info) -> float | None:
     """/server_info's running average accept length, where the server reports one."""
     if not isinstance(info, dict):

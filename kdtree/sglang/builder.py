@@ -32,12 +32,13 @@ def build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget: int, works
         return reference.build_ddtree_tree_from_topk(top_log_probs, top_token_ids, budget)
 
 
-_SAID = []
+_said_fallback = False
 
 
 def _say_cpu_fallback(e) -> None:
-    if not _SAID:
-        _SAID.append(str(e))
+    global _said_fallback
+    if not _said_fallback:
+        _said_fallback = True
         print(f"kdtree.sglang: tree builds run on the CPU, as SGLang's own: kdtree could not run: {e}",
               file=sys.stderr)
 
