@@ -138,7 +138,11 @@ lib.cache_clear = _loaded.cache_clear
 
 
 def load(path) -> ctypes.CDLL:
-    so = ctypes.CDLL(str(path))
+    try:
+        so = ctypes.CDLL(str(path))
+    except OSError as e:  # corrupt, truncated or for another platform: the loader's error, not ctypes'
+        raise RuntimeError(f"{path}: not a loadable libkdtree ({e}): rebuild it with "
+                           "`python -m kdtree build` or reinstall kdtree") from None
     try:
         version = so.kd_version()
     except AttributeError:

@@ -192,6 +192,22 @@ def test_loader_remembers_a_failure_until_cleared(tmp_path, monkeypatch, lib_pat
         loader.lib.cache_clear()
 
 
+def test_loader_says_a_file_that_does_not_load(tmp_path, monkeypatch):
+    """A corrupt library file is the loader's RuntimeError (what the fallbacks catch), naming
+    the file and what to do, never ctypes' OSError."""
+    from kdtree import loader
+
+    bad = tmp_path / "libkdtree.so"
+    bad.write_bytes(b"not a shared object")
+    monkeypatch.setenv("KDTREE_LIB", str(bad))
+    loader.lib.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"libkdtree.so: not a loadable libkdtree .*kdtree build"):
+            loader.lib()
+    finally:
+        loader.lib.cache_clear()
+
+
 def test_kernel_selection_matches_reference_on_golden_cases(lib, golden):
     for i, c in enumerate(golden):
         par, dep = host_select(lib, c["top_lp"], int(c["budget"]))
