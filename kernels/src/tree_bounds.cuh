@@ -292,45 +292,20 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.
 #ifdef __CUDA_ARCH__
-// LEAN: the chain's row searches by lean_search, the row's base one float early (rank r at
-// row + 4 (r + 1), so ranks 0 .. keff - 1 are searched; keff <= 1024); a lane past L searches
-// for +inf. The float search ends where count_children's does, and its exact check follows,
-// so the counts are count_children's.
-template <bool LEAN>
-__device__ inline double chain_bound_device(const Threshold& t, int L, int keff, int budget, double tau, int tid,
-                                            int nthreads) {
+template <bool WIDE>
+__device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
+                                     int nthreads) {
+  (void)WIDE;  // one search for both kernels: the lean one was no faster here (design notes)
   const Pivots pv = chain_pivots(budget);
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
   share_chain_sums(t, L, tid);
   const double c = chain_at(t, tid & 15);
-  const int top = LEAN ? pow2_at_most(keff) : 1;
-  const int first = keff + 1 - top;
-  const uint32_t row = LEAN ? smem_addr(t.lp + min(tid & 15, L - 1) * t.ld) - 4 : 0;
   KD_PROF(16);
   const double lo = pivot_rounds<16>(t, tau, (double)t.lp[0], budget, pv, 17, tid, [&](double x, int d) {
-    if constexpr (LEAN) {
-      uint32_t at[1] = {row};
-      lean_search<1, 512>(at, first, top, [&](int) { return d < L ? float_at_or_above(dsub_up(x, c)) : INFINITY; },
-                          float_ge);
-      const int n = (int)(at[0] - row) >> 2;
-      const float* r = t.lp + d * t.ld;
-      const int m = d < L && n < keff && KD_DADD(c, (double)r[n]) >= x ? count_exact(r, n + 1, keff, c, x) : n;
-#ifdef KD_CHAIN_LEAN_CHECK
-      if (m != (d < L ? count_children(r, keff, c, x) : 0)) __trap();
-#endif
-      return m;
-    } else {
-      return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
-    }
+    return d < L ? count_children(t.lp + d * t.ld, keff, c, x) : 0;
   });
   return lo > tau ? lo : tau;
-}
-
-template <bool WIDE>
-__device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
-                                     int nthreads) {
-  return chain_bound_device<WIDE && CHAIN_LEAN>(t, L, keff, budget, tau, tid, nthreads);
 }
 #else
 template <bool WIDE>

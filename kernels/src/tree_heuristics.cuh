@@ -102,11 +102,6 @@ KD_HD Pivots dev_pivots(int budget, int batch) {
 #define KD_DEV_LEAN 1  // A/B builds: 0, the bounded search
 #endif
 constexpr bool DEV_LEAN = KD_DEV_LEAN;
-// The chain bound's row searches the same way (one-CTA kernel).
-#ifndef KD_CHAIN_LEAN
-#define KD_CHAIN_LEAN 0  // A/B builds: 1, the lean search (not measured yet)
-#endif
-constexpr bool CHAIN_LEAN = KD_CHAIN_LEAN;
 
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
