@@ -157,24 +157,23 @@ __device__ __forceinline__ double chain_at(const Threshold& t, int d) { return t
 
 // The lean search over N sorted rows at once (the one-CTA kernel's bounds): at[k] is the
 // 32-bit shared address (smem_addr) of rank 0 of a range whose ranks 1 .. n are searched, and
-// moves 4 bytes for each rank r with ge(value at r, y(k)). Shar's first step, at rank
+// moves 4 bytes for each rank r with value >= y(k) (dev_count's count). Shar's first step, at rank
 // first = n + 1 - top (top = pow2_at_most(n)), leaves a power-of-two range, so no step reads
 // past rank n and none tests a bound; the steps are unrolled from MAX_STEP under a uniform test
-// (immediate offsets): the rounds are bound by issue, not latency. ge is the compare of the
-// count the search stands for (dev_count's >=, count_children's float_ge).
-template <int N, int MAX_STEP, class Y, class Ge>
-__device__ __forceinline__ void lean_search(uint32_t (&at)[N], int first, int top, Y y, Ge ge) {
+// (immediate offsets): the rounds are bound by issue, not latency.
+template <int N, int MAX_STEP, class Y>
+__device__ __forceinline__ void lean_search(uint32_t (&at)[N], int first, int top, Y y) {
   float yf[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) {
     yf[k] = y(k);
-    at[k] += ge(shared_f32(at[k] + 4 * first), yf[k]) ? 4 * first : 0;
+    at[k] += shared_f32(at[k] + 4 * first) >= yf[k] ? 4 * first : 0;
   }
 #pragma unroll
   for (int step = MAX_STEP; step > 0; step >>= 1)
     if (step < top)
 #pragma unroll
-      for (int k = 0; k < N; ++k) at[k] += ge(shared_f32(at[k] + 4 * step), yf[k]) ? 4 * step : 0;
+      for (int k = 0; k < N; ++k) at[k] += shared_f32(at[k] + 4 * step) >= yf[k] ? 4 * step : 0;
 }
 
 // LEAN: the lean row search (the one-CTA kernel: under the two-CTA kernel's 64 registers its
@@ -219,8 +218,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
       uint32_t at[START_SLOTS];
 #pragma unroll
       for (int k = 0; k < START_SLOTS; ++k) at[k] = row_at[k];
-      lean_search<START_SLOTS, 256>(at, first, top, [&](int k) { return float_at_or_above(x - around[k]); },
-                                    [](float v, float y) { return v >= y; });
+      lean_search<START_SLOTS, 256>(at, first, top, [&](int k) { return float_at_or_above(x - around[k]); });
 #pragma unroll
       for (int k = 0; k < START_SLOTS; ++k) n += (int)(at[k] - row_at[k]) >> 2;
       return n;
@@ -292,10 +290,8 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.
 #ifdef __CUDA_ARCH__
-template <bool WIDE>
 __device__ inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid,
                                      int nthreads) {
-  (void)WIDE;  // one search for both kernels: the lean one was no faster here (design notes)
   const Pivots pv = chain_pivots(budget);
   if (nthreads < 16 * pv.count) return tau;  // a half-warp a pivot
   // Lanes d and 16 + d: chain(d), the parent of the chain's depth-d nodes (L <= 16).
@@ -308,7 +304,6 @@ __device__ inline double chain_bound(const Threshold& t, int L, int keff, int bu
   return lo > tau ? lo : tau;
 }
 #else
-template <bool WIDE>
 inline double chain_bound(const Threshold& t, int L, int keff, int budget, double tau, int tid, int nthreads) {
   (void)tid; (void)nthreads;
   const Pivots pv = chain_pivots(budget);

@@ -75,7 +75,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
                     deep_chain(t, tau);
   if ((chain_start || deep) && (long long)L * keff >= budget)
     tau = keff < budget || (deep && wide) ? deviation_bound<WIDE>(t, L, keff, budget, tau, tid, nthreads)
-                                          : chain_bound<WIDE>(t, L, keff, budget, tau, tid, nthreads);
+                                          : chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
   // Where ties at tau alone fill the buffer, tau is guessed higher (bisection between lo, a
   // tau whose set overflowed, and hi) and the guess kept only if its set holds `budget`.
