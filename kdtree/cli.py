@@ -112,12 +112,14 @@ def cmd_sweep(args):
 
 
 def cmd_test_gpu(args):
+    if args.workers < 1:
+        sys.exit(f"kdtree test-gpu: workers: expected an integer >= 1, got {args.workers}")
     _writable("test-gpu", args.out)
     if args.pin_gpu:
         from .harness.gpu import claim_gpu
         claim_gpu()
     from .tools.gpu_tests import run_gpu_tests
-    sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args))
+    sys.exit(run_gpu_tests(args.out, args.library, args.pytest_args, workers=args.workers))
 
 
 def _results_folder(cmd: str, folder) -> None:
@@ -245,6 +247,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True)
     t.add_argument("--library")
     t.add_argument("--pin-gpu", action="store_true", help="claim one free GPU on a multi-GPU node")
+    t.add_argument("--workers", type=int, default=1,
+                   help="pytest processes sharing the GPU, the tests dealt among them (pytest args "
+                        "then only choose what is collected)")
     t.add_argument("pytest_args", nargs="*")
     t.set_defaults(fn=cmd_test_gpu)
     f = sub.add_parser("figures", help="render figures from the Parquet in a results folder")

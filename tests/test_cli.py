@@ -43,6 +43,7 @@ def refused(argv, needle, tmp_path, capsys) -> None:
     (["figures", "--results", "{tmp}/nonexistent"], "no such folder"),
     (["readme", "--results", "{tmp}/nonexistent", "--check"], "readme: --results {tmp}/nonexistent: no such folder"),
     (["build", "--build-dir", "{tmp}/b", "--jobs", "0"], "jobs: expected an integer >= 1, got 0"),
+    (["test-gpu", "--out", "{tmp}/t.parquet", "--workers", "0"], "workers: expected an integer >= 1, got 0"),
 ])
 def test_bad_input_is_a_message_and_a_failure(tmp_path, capsys, argv, needle):
     refused(argv, needle, tmp_path, capsys)

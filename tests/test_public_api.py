@@ -127,6 +127,37 @@ def test_gpu_test_gate_fails_when_nothing_ran():
     assert gate([row("passed")], 2) == 2                      # pytest itself broke
 
 
+def test_gpu_tests_are_dealt_round_robin():
+    from kdtree.tools.gpu_tests import deal
+    ids = [f"t[{i}]" for i in range(7)]
+    assert deal(ids, 3) == [["t[0]", "t[3]", "t[6]"], ["t[1]", "t[4]"], ["t[2]", "t[5]"]]
+    assert deal(ids[:2], 4) == [["t[0]"], ["t[1]"]]            # no empty shard
+    assert deal([], 4) == []
+
+
+def test_gpu_tests_in_workers_record_what_one_process_records(tmp_path):
+    """`kdtree test-gpu --workers N`: the same tests, each once, with the same outcomes as one
+    pytest process (on a machine without a GPU, all skipped: the gate then fails both), and
+    a worker's broken pytest is a row, not a lost shard."""
+    import pandas as pd
+    from kdtree.tools import gpu_tests
+
+    pick = ["-k", "dropin_errors or int_budgets or test_tree_build_small_batch"]
+    rcs, runs = [], []
+    for w in (1, 3):
+        out = tmp_path / f"w{w}.parquet"
+        rcs.append(gpu_tests.run_gpu_tests(out, extra_args=pick, workers=w))
+        runs.append(pd.read_parquet(out).set_index("test_id").outcome.sort_index())
+    assert len(runs[0]) == 9 and runs[0].index.is_unique
+    pd.testing.assert_series_equal(runs[0], runs[1])
+    assert rcs[0] == rcs[1]
+    with pytest.raises(ValueError, match="workers: expected an integer >= 1, got 0"):
+        gpu_tests.run_gpu_tests(tmp_path / "w0.parquet", workers=0)
+    rows, rc = gpu_tests.run_shards([["tests/test_public_api.py::no_such_test"]], {**__import__("os").environ},
+                                    tmp_path)
+    assert rc == 4 and rows[0]["outcome"] == "error" and rows[0]["test_id"] == "<shard 1>"
+
+
 def test_config_schema_is_closed_documented_and_its_readme_current():
     import yaml
 

@@ -28,17 +28,70 @@ def junit_rows(xml_path) -> list[dict]:
     return rows
 
 
-def run_gpu_tests(out, library=None, extra_args=()) -> int:
+def collect_ids(env, extra_args=()) -> list[str]:
+    """The GPU tests' node ids as pytest collects them (empty where collection fails: the
+    single run then records the error as a row)."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+           str(ROOT / "tests"), *extra_args]
+    r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if r.returncode != 0:
+        return []
+    return [line.strip() for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+
+
+def deal(ids: list[str], workers: int) -> list[list[str]]:
+    """Round-robin, so one test's parametrized cases (the slow CPU references) spread over
+    every worker."""
+    shards = [ids[i::workers] for i in range(min(workers, len(ids)))]
+    return [s for s in shards if s]
+
+
+def run_shards(shards, env, tmp) -> tuple[list[dict], int]:
+    """Each shard one pytest process on the same GPU, its own junit file and basetemp; the
+    outcomes merged, each shard's output printed whole as it ends."""
+    procs = []
+    for i, ids in enumerate(shards):
+        xml, log = tmp / f"junit{i}.xml", open(tmp / f"shard{i}.log", "w")
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+               f"--basetemp={tmp / f'base{i}'}", *ids]
+        procs.append((i, xml, log, subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)))
+    rows, rcs = [], []
+    for i, xml, log, proc in procs:
+        rc = proc.wait()
+        log.close()
+        print(f"--- test-gpu shard {i + 1}/{len(procs)}: {len(shards[i])} tests, pytest exit {rc}")
+        print((tmp / f"shard{i}.log").read_text()[-20000:], end="", flush=True)
+        rcs.append(rc)
+        got = junit_rows(xml) if xml.exists() else []
+        if len(got) < len(shards[i]):   # pytest broke before recording them all: a row says so
+            got.append({"test_id": f"<shard {i + 1}>", "outcome": "error", "duration_s": 0.0,
+                        "message": f"pytest exit {rc}: {len(shards[i]) - len(got)} of {len(shards[i])} tests not recorded"})
+        rows += got
+    worst = [rc for rc in rcs if rc not in (0, 1)]
+    return rows, worst[0] if worst else max(rcs)
+
+
+def run_gpu_tests(out, library=None, extra_args=(), workers=1) -> int:
+    """workers > 1 deals the collected tests over that many pytest processes sharing the GPU
+    (the tests' CPU references are most of their time); extra_args then only choose what is
+    collected."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ValueError(f"workers: expected an integer >= 1, got {workers!r}")
     env = dict(os.environ)
     if library:
         env["KDTREE_LIB"] = str(pathlib.Path(library).resolve())
     with tempfile.TemporaryDirectory() as tmp:
-        xml = pathlib.Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests"),
-               f"--junitxml={xml}", *extra_args]
-        rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-        rows = junit_rows(xml) if xml.exists() else [
-            {"test_id": "<session>", "outcome": "error", "duration_s": 0.0, "message": f"pytest exit {rc}"}]
+        tmp = pathlib.Path(tmp)
+        shards = deal(collect_ids(env, extra_args), workers) if workers > 1 else []
+        if len(shards) > 1:
+            rows, rc = run_shards(shards, env, tmp)
+        else:
+            xml = tmp / "junit.xml"
+            cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", str(ROOT / "tests"),
+                   f"--junitxml={xml}", *extra_args]
+            rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
+            rows = junit_rows(xml) if xml.exists() else [
+                {"test_id": "<session>", "outcome": "error", "duration_s": 0.0, "message": f"pytest exit {rc}"}]
     prov = provenance(new_run_id(), {}, library)
     write_parquet_atomic(pd.DataFrame([dict(r, **prov) for r in rows]), out)
     counts = pd.Series([r["outcome"] for r in rows]).value_counts().to_dict()
