@@ -50,6 +50,9 @@ def run_shards(shards, env, tmp) -> tuple[list[dict], int]:
     """Each shard one pytest process on the same GPU, its own junit file and basetemp; the
     outcomes merged, each shard's output printed whole as it ends."""
     procs = []
+    env = dict(env)
+    # torch's CPU references thread over every core in each process: split the cores instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // len(shards))))
     for i, ids in enumerate(shards):
         xml, log = tmp / f"junit{i}.xml", open(tmp / f"shard{i}.log", "w")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
