@@ -107,7 +107,10 @@ COVERED = {
                 "import resolution: test_offline_peers_resolves_an_import_and_fetches_what_is_missing"),
     "scripts/offline_peers.py": ("none", "the entry above"),
     "pip install --no-index --no-deps --target /tmp/site peers/wheels/*.whl": (
-        "gpu", "how the reference set's runs install the carried wheels on the H200 (ab/run140.sh)"),
+        "gpu", "what scripts/reference_run.sh runs on the H200 (the set at 76cc2d5: ab/run140.sh, its form)"),
+    "scripts/reference_run.sh peers results/local/reference": (
+        "run", "test_reference_run_script_plans_the_set_and_resumes (tests/test_workflow.py), a dry-run"),
+    "scripts/reference_run.sh": ("run", "the entry above"),
     "apptainer build --fakeroot --build-arg commit=$(git rev-parse HEAD) containers/kdtree.sif containers/kdtree.def":
         ("none", "no Apptainer here: CI checks the definition (kdtree check container)"),
     "apptainer test containers/kdtree.sif": ("none", "%test runs the README's test command, which CI runs"),

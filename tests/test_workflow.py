@@ -69,3 +69,32 @@ def test_rerendering_the_reference_figures_changes_nothing(tmp_path):
         if f.is_file() and ".snakemake" not in str(f) and "logs" not in f.parts and f.name != ".rendered":
             twin = copy / f.relative_to(ref)
             assert filecmp.cmp(f, twin, shallow=False), f"re-rendering changed {f.relative_to(ROOT)}"
+
+
+def test_reference_run_script_plans_the_set_and_resumes(tmp_path):
+    """scripts/reference_run.sh (the reference set on a node without PyPI), dry-run: the whole
+    GPU plan into the folder it is given, the peers' folders checked before any work, and a
+    second call on the same folder resuming without rerunning jobs for their files' times."""
+    peers, site, rd = tmp_path / "peers", tmp_path / "site", tmp_path / "set"
+    (site / "snakemake").mkdir(parents=True)            # the wheels counted as installed
+    env = dict(os.environ, PYTHON=sys.executable, SITE=str(site), CONFIG="gpu=true", SNAKEMAKE_ARGS="-n")
+
+    def run(*args, **extra):
+        return subprocess.run(["bash", str(ROOT / "scripts/reference_run.sh"), *map(str, args)], cwd=ROOT,
+                              env=dict(env, **extra), capture_output=True, text=True, timeout=300)
+
+    r = run(peers, rd)
+    assert r.returncode == 2 and f"PEERS: {peers} has no wheels/ folder" in r.stderr
+    (peers / "wheels").mkdir(parents=True)
+    (peers / "sglang").mkdir()
+    r = run(peers, rd, GIT_DIR=str(tmp_path / "no-git"))
+    assert r.returncode == 2 and "set KDTREE_GIT_COMMIT" in r.stderr
+    r = run(peers, rd)
+    assert r.returncode == 0, r.stderr
+    log = (rd / "logs" / "snakemake.log").read_text()
+    planned = {j["rule"] for j in jobs(log)}
+    assert {"test_correctness", "sweep_verify_attn_shard", "sweep_gpu", "report"} <= planned
+    assert f"{rd}/test_correctness.parquet" in log and "--workers" in log and "results/reference/" not in log
+    r = run(peers, rd)
+    assert r.returncode == 0 and "resuming" in r.stderr
+    assert "--rerun-triggers params input software-env code" in (rd / "logs" / "snakemake.log").read_text()

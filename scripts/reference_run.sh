@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The reference set's run on a GPU node that reaches no package index (docs/pipeline.md):
+# the carried wheels installed into SITE, SGLang's Triton files put on the path, then
+# `snakemake all` with config/reference.yaml into RESULTS. A run stopped by LIMIT keeps what
+# finished; the same command on the same node resumes it (finished jobs are not rerun for
+# their files' times alone, since a copied tree's times are the copy's).
+#   scripts/reference_run.sh PEERS [RESULTS]      # PEERS: scripts/offline_peers.py's folder
+# Environment: LIMIT (seconds, default none), SITE (/tmp/site), PYTHON (python3), CONFIG
+# (more config as key=value words), SNAKEMAKE_ARGS (more flags, e.g. -n), KDTREE_GIT_COMMIT
+# (the commit measured, needed where the tree has no .git).
+set -uo pipefail
+[ $# -ge 1 ] && [ $# -le 2 ] || { sed -n 2,10p "$0"; exit 2; }
+peers=$1
+rd=${2:-results/local/reference}
+site=${SITE:-/tmp/site}
+py=${PYTHON:-python3}
+say() { echo "reference_run: $*" >&2; }
+[ -d "$peers/wheels" ] || { say "PEERS: $peers has no wheels/ folder (make it with scripts/offline_peers.py)"; exit 2; }
+[ -d "$peers/sglang" ] || { say "PEERS: $peers has no sglang/ folder (make it with scripts/offline_peers.py)"; exit 2; }
+if ! git rev-parse HEAD > /dev/null 2>&1 && [ -z "${KDTREE_GIT_COMMIT:-}" ]; then
+  say "no .git here: set KDTREE_GIT_COMMIT to the commit measured"; exit 2
+fi
+mkdir -p "$rd/logs" || { say "RESULTS: cannot make $rd/logs"; exit 2; }
+if [ ! -d "$site/snakemake" ]; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$site" "$peers"/wheels/*.whl \
+    || { say "installing $peers/wheels into $site failed"; exit 1; }
+fi
+export PYTHONPATH="$site:$(realpath "$peers/sglang")${PYTHONPATH:+:$PYTHONPATH}"
+log=$rd/logs/snakemake.log
+resume=()
+if [ -s "$log" ]; then
+  resume=(--rerun-triggers params input software-env code)
+  say "resuming the run in $rd"
+fi
+# shellcheck disable=SC2086  # CONFIG and SNAKEMAKE_ARGS are lists of words
+timeout "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
+  --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-} "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
+  >> "$log" 2>&1
+rc=$?
+[ $rc -eq 124 ] && say "stopped at LIMIT=${LIMIT}s: run the same command again to finish"
+say "snakemake exit $rc; its log: $log"
+exit $rc
