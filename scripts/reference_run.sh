@@ -5,9 +5,9 @@
 # finished; the same command on the same node resumes it (finished jobs are not rerun for
 # their files' times alone, since a copied tree's times are the copy's).
 #   scripts/reference_run.sh PEERS [RESULTS]      # PEERS: scripts/offline_peers.py's folder
-# Environment: LIMIT (seconds, default none), SITE (/tmp/site), PYTHON (python3), CONFIG
-# (more config as key=value words), SNAKEMAKE_ARGS (more flags, e.g. -n), KDTREE_GIT_COMMIT
-# (the commit measured, needed where the tree has no .git).
+# Environment: LIMIT (seconds, default none; killed 20 s later if snakemake has not stopped),
+# SITE (/tmp/site), PYTHON (python3), CONFIG (more config as key=value words), SNAKEMAKE_ARGS
+# (more flags, e.g. -n), KDTREE_GIT_COMMIT (the commit measured, where the tree has no .git).
 set -uo pipefail
 [ $# -ge 1 ] && [ $# -le 2 ] || { sed -n 2,10p "$0"; exit 2; }
 peers=$1
@@ -33,7 +33,7 @@ if [ -s "$log" ]; then
   say "resuming the run in $rd"
 fi
 # shellcheck disable=SC2086  # CONFIG and SNAKEMAKE_ARGS are lists of words
-timeout "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
+timeout -k 20 "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
   --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-} "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
   >> "$log" 2>&1
 rc=$?
