@@ -8,7 +8,7 @@ import pandas as pd
 from .breakdown import breakdown_table
 from .results import (VERIFY_KEYS, alternated, flashmla_ratio, peer_ratio, read_ok_rows, sustained_ratio,
                       write_text_atomic)
-from .targets import check_targets
+from .targets import check_round3_targets, check_targets
 
 
 def _num(v, sig: int) -> str:
@@ -54,6 +54,7 @@ def render(results_dir, out_path, skipped: list[str] | None = None, kernel_times
                       f"{' (dirty)' if r.get('git_dirty') else ''}, torch {r.get('torch_version')}.", ""]
     if any((rd / f"{n}.parquet").exists() for n in ("tree_build", "verify_attn", "tree_accept", "round")):
         parts += ["## Kernel targets, from this run's rows", "", _md(check_targets(rd)), ""]
+        parts += ["### Round 3: at or ahead of FlashMLA (issue 29)", "", _md(check_round3_targets(rd)), ""]
     d = read_ok_rows(rd / "tree_build.parquet")
     if d is not None:
         keys = ["batch", "budget"] + (["drafts"] if "drafts" in d else [])
