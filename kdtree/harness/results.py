@@ -144,6 +144,15 @@ def peer_ratio(d: pd.DataFrame, peer: str, extra: tuple = (), suffix: str = "_pe
     return m.assign(ratio=m["median_us" + suffix] / m.median_us)
 
 
+def page_size_ratio(d: pd.DataFrame) -> pd.DataFrame:
+    """kdtree's verify rows at page size 1 joined with the same shapes at page size 64:
+    ``median_us`` page 1's, ``median_us_64`` page 64's, ``ratio`` page 1's time over 64's."""
+    k = d[d.impl == "kdtree_kernel"]
+    keys = [c for c in VERIFY_KEYS if c != "page_size"]
+    m = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
+    return m.assign(ratio=m.median_us / m.median_us_64)
+
+
 def flashmla_ratio(d: pd.DataFrame, extra: tuple = ()) -> pd.DataFrame | None:
     """peer_ratio against FlashMLA, its columns suffixed ``_fm``."""
     return peer_ratio(d, "flashmla", extra, suffix="_fm")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pathlib
 
-from .results import VERIFY_KEYS, alternated, flashmla_ratio, peer_ratio, read_ok_rows, sustained_ratio
+from .results import alternated, flashmla_ratio, page_size_ratio, peer_ratio, read_ok_rows, sustained_ratio
 from .targets import check_targets
 
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -57,12 +57,10 @@ def summary(results_dir) -> str:
         lines += [f"Against SGLang's Triton tree verify (same inputs, {len(m)} shapes, page size 1): kdtree "
                   f"{m.ratio.min():.3g}-{m.ratio.max():.3g}x faster, median {m.ratio.median():.3g}x.", ""]
     if v is not None and {1, 64} <= set(v.page_size):
-        keys = [c for c in VERIFY_KEYS if c != "page_size"]  # the same shape at both page sizes
-        k = v[v.impl == "kdtree_kernel"]
-        m = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
+        m = page_size_ratio(v)
         if len(m):  # none where every kdtree point failed
-            ratio = m.median_us / m.median_us_64
-            layout = k.table_layout.iloc[0] if "table_layout" in k else "scattered"
+            ratio = m.ratio
+            layout = m.table_layout.iloc[0] if "table_layout" in m else "scattered"
             lines += [f"Page size 1 (SGLang's pool; block tables: {layout}) against page size 64 ({len(m)} shapes): "
                       f"{ratio.min():.2f}-{ratio.max():.2f}x its time, median {ratio.median():.2f}x, "
                       f"{int((ratio <= 1.05).sum())} within 5%.", ""]

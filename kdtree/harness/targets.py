@@ -10,7 +10,7 @@ import pathlib
 
 import pandas as pd
 
-from .results import VERIFY_KEYS, flashmla_ratio, read_ok_rows
+from .results import flashmla_ratio, page_size_ratio, read_ok_rows
 
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
@@ -29,8 +29,16 @@ def _row(target: str, scope: str, goal: str, measured: str, ok: bool | None) -> 
     return dict(target=target, scope=scope, goal=goal, measured=measured, status=status)
 
 
+COMPUTE_BOUND = "H*D >= 128, P >= 4k, B >= 16"
+
+
+def _compute_bound(d: pd.DataFrame) -> pd.DataFrame:
+    """The rows of COMPUTE_BOUND's shapes."""
+    return d[(d.heads * d.D >= 128) & (d.prefix >= 4096) & (d.batch >= 16)]
+
+
 def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
-    names = [("verify, compute-bound", "H*D >= 128, P >= 4k, B >= 16", "median >= 75% of roofline, none < 60%"),
+    names = [("verify, compute-bound", COMPUTE_BOUND, "median >= 75% of roofline, none < 60%"),
              ("verify, memory-bound", "H*D < 64, B >= 16", ">= 85% of the run's copy bandwidth"),
              ("verify, batch 1", "B = 1", "time <= 2 x floor + 5 us"),
              ("verify vs SDPA with tree mask", "B >= 16", ">= 10x faster")]
@@ -39,7 +47,7 @@ def _verify_targets(v: pd.DataFrame | None) -> list[dict]:
     k = v[v.impl == "kdtree_kernel"]
     hd = k.heads * k.D
     out = []
-    c = k[(hd >= 128) & (k.prefix >= 4096) & (k.batch >= 16)]
+    c = _compute_bound(k)
     if c.empty:
         out.append(_row(*names[0], "-", None))
     else:
@@ -136,9 +144,10 @@ def _round_targets(r: pd.DataFrame | None) -> list[dict]:
     return [_row(*name, f"{_points(len(g))}, {_span(g.median_us)} us", True)]
 
 
-# Round 3 (issue 29): at or ahead of FlashMLA, in the same run. One table of goals.
-ROUND3 = {"roofline": 0.85, "copy": 0.85, "page1": 1.05, "fm_min_prefix": 4096,
-          "build_us": {64: 8.0, 256: 15.0}, "build_1024_us": 100.0}
+# Round 3 (issue 29): at or ahead of FlashMLA, in the same run. Its goals, in one place.
+ROUND3 = {"roofline": 0.85, "copy": 0.85, "page1": 1.05, "fm_min_prefix": 4096}
+# The build's: (budget, smallest batch, largest batch, us per batch); K = min(budget, 256).
+ROUND3_BUILD = [(64, 1, 64, 8.0), (256, 1, 64, 15.0), (1024, 64, 64, 100.0)]
 
 
 def _shape(r) -> str:
@@ -148,7 +157,7 @@ def _shape(r) -> str:
 def _round3_verify(v: pd.DataFrame | None) -> list[dict]:
     names = [("verify vs FlashMLA", f"page 64, P >= {ROUND3['fm_min_prefix'] // 1024}k, every shape both ran",
               "kdtree's time <= FlashMLA's"),
-             ("verify, compute-bound", "H*D >= 128, P >= 4k, B >= 16", f"median >= {ROUND3['roofline']:.0%} of roofline"),
+             ("verify, compute-bound", COMPUTE_BOUND, f"median >= {ROUND3['roofline']:.0%} of roofline"),
              ("verify, memory-bound", "H*D < 64, B 16, P 8k", f">= {ROUND3['copy']:.0%} of the run's copy bandwidth"),
              ("verify, page size 1", "every shape at both page sizes",
               f"within {ROUND3['page1'] - 1:.0%} of page size 64's time")]
@@ -164,46 +173,40 @@ def _round3_verify(v: pd.DataFrame | None) -> list[dict]:
         out.append(_row(*names[0], f"{int((m.ratio >= 1).sum())}/{_points(len(m))} at or ahead; slowest "
                         f"{worst.ratio:.2f}x its speed ({_shape(worst)})", bool((m.ratio >= 1).all())))
     k = v[v.impl == "kdtree_kernel"]
-    hd = k.heads * k.D
-    c = k[(hd >= 128) & (k.prefix >= 4096) & (k.batch >= 16)]
+    c = _compute_bound(k)
     if c.empty:
         out.append(_row(*names[1], "-", None))
     else:
-        fm = v[(v.impl == "flashmla") & (v.heads * v.D >= 128) & (v.prefix >= 4096) & (v.batch >= 16)]
+        fm = _compute_bound(v[v.impl == "flashmla"])
         peer = f"; FlashMLA {fm.roofline_fraction.median():.1%}" if len(fm) else ""
         med = c.roofline_fraction.median()
         out.append(_row(*names[1], f"median {med:.1%} ({_points(len(c))}{peer})", med >= ROUND3["roofline"]))
-    mb = k[(hd < 64) & (k.batch == 16) & (k.prefix == 8192)]
+    mb = k[(k.heads * k.D < 64) & (k.batch == 16) & (k.prefix == 8192)]
     if mb.empty:
         out.append(_row(*names[2], "-", None))
     else:
         lo = mb.copy_fraction.min()
         out.append(_row(*names[2], f"min {lo:.1%}, median {mb.copy_fraction.median():.1%} ({_points(len(mb))})",
                         lo >= ROUND3["copy"]))
-    keys = [c for c in VERIFY_KEYS if c != "page_size"]
-    j = k[k.page_size == 1].merge(k[k.page_size == 64], on=keys, suffixes=("", "_64"))
+    j = page_size_ratio(v)
     if j.empty:
         out.append(_row(*names[3], "-", None))
     else:
-        r = j.median_us / j.median_us_64
-        worst = j.loc[r.idxmax()]
-        out.append(_row(*names[3], f"{int((r <= ROUND3['page1']).sum())}/{_points(len(j))} within; worst "
-                        f"{r.max():.3f}x ({_shape(worst)})", bool((r <= ROUND3["page1"]).all())))
+        worst = j.loc[j.ratio.idxmax()]
+        out.append(_row(*names[3], f"{int((j.ratio <= ROUND3['page1']).sum())}/{_points(len(j))} within; worst "
+                        f"{worst.ratio:.3f}x ({_shape(worst)})", bool((j.ratio <= ROUND3["page1"]).all())))
     return out
 
 
 def _round3_build(t: pd.DataFrame | None) -> list[dict]:
-    names = [("tree build, device time", f"B <= 64, budget {b}", f"<= {us:g} us per batch")
-             for b, us in ROUND3["build_us"].items()]
-    names.append(("tree build, device time", "B = 64, budget 1024", f"<= {ROUND3['build_1024_us']:g} us per batch"))
-    if t is None:
-        return [_row(*n, "-", None) for n in names]
-    dev = t[(t.impl == "gpu_kernel") & (t.metric == "device_time")]
+    dev = None if t is None else t[(t.impl == "gpu_kernel") & (t.metric == "device_time")]
     out = []
-    for n, (budget, goal) in zip(names, [*ROUND3["build_us"].items(), (1024, ROUND3["build_1024_us"])]):
-        a = dev[(dev.budget == budget) & ((dev.batch == 64) if budget == 1024 else (dev.batch <= 64))]
-        out.append(_row(*n, f"max {a.median_us.max():.1f} us ({_points(len(a))})", bool((a.median_us <= goal).all()))
-                   if not a.empty else _row(*n, "-", None))
+    for budget, lo, hi, goal in ROUND3_BUILD:
+        batches = f"B = {hi}" if lo == hi else f"B <= {hi}"
+        name = ("tree build, device time", f"{batches}, budget {budget}", f"<= {goal:g} us per batch")
+        a = None if dev is None else dev[(dev.budget == budget) & dev.batch.between(lo, hi)]
+        out.append(_row(*name, "-", None) if a is None or a.empty else
+                   _row(*name, f"max {a.median_us.max():.1f} us ({_points(len(a))})", bool((a.median_us <= goal).all())))
     return out
 
 
