@@ -3,13 +3,14 @@
 # the carried wheels installed into SITE, SGLang's Triton files put on the path, then
 # `snakemake all` with config/reference.yaml into RESULTS. A run stopped by LIMIT keeps what
 # finished; the same command on the same node resumes it (finished jobs are not rerun for
-# their files' times alone, since a copied tree's times are the copy's).
+# their files' times alone, since a copied tree's times are the copy's; a lock left by a
+# snakemake killed at LIMIT is removed first, where none runs in this tree).
 #   scripts/reference_run.sh PEERS [RESULTS]      # PEERS: scripts/offline_peers.py's folder
 # Environment: LIMIT (seconds, default none; killed 20 s later if snakemake has not stopped),
 # SITE (/tmp/site), PYTHON (python3), CONFIG (more config as key=value words), SNAKEMAKE_ARGS
 # (more flags, e.g. -n), KDTREE_GIT_COMMIT (the commit measured, where the tree has no .git).
 set -uo pipefail
-[ $# -ge 1 ] && [ $# -le 2 ] || { sed -n 2,10p "$0"; exit 2; }
+[ $# -ge 1 ] && [ $# -le 2 ] || { sed -n 2,11p "$0"; exit 2; }
 peers=$1
 rd=${2:-results/local/reference}
 site=${SITE:-/tmp/site}
@@ -28,15 +29,31 @@ fi
 export PYTHONPATH="$site:$(realpath "$peers/sglang")${PYTHONPATH:+:$PYTHONPATH}"
 log=$rd/logs/snakemake.log
 resume=()
-if [ -s "$log" ]; then
-  resume=(--rerun-triggers params input software-env code)
-  say "resuming the run in $rd"
+[ -s "$log" ] && resume=(--rerun-triggers params input software-env code)
+# A run that outlived LIMIT's grace was killed and left this tree locked: unlock it, where no
+# snakemake runs in this tree now, so that the same command resumes.
+running_here() {
+  local pid here
+  here=$(pwd -P)
+  for pid in $(pgrep -f -- "-m snakemake" || true); do
+    [ "$(readlink "/proc/$pid/cwd" 2>/dev/null)" = "$here" ] && return 0
+  done
+  return 1
+}
+if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then
+  if running_here; then say "a snakemake runs in $(pwd -P): let it finish or stop it first"; exit 2; fi
+  # shellcheck disable=SC2086
+  "$py" -m snakemake --profile workflow/profiles/local --configfile config/reference.yaml \
+    --config "results_dir=$rd" ${CONFIG:-} --unlock >> "$log" 2>&1 || { say "unlocking $(pwd -P) failed (see $log)"; exit 1; }
+  say "unlocked the tree a killed run had left locked"
 fi
+[ ${#resume[@]} -gt 0 ] && say "resuming the run in $rd"
 # shellcheck disable=SC2086  # CONFIG and SNAKEMAKE_ARGS are lists of words
 timeout -k 20 "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
   --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-} "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
   >> "$log" 2>&1
 rc=$?
-[ $rc -eq 124 ] && say "stopped at LIMIT=${LIMIT}s: run the same command again to finish"
+# 124: snakemake stopped at LIMIT; 137: killed 20 s later.
+[ $rc -eq 124 ] || [ $rc -eq 137 ] && say "stopped at LIMIT=${LIMIT}s: run the same command again to finish"
 say "snakemake exit $rc; its log: $log"
 exit $rc

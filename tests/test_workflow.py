@@ -71,18 +71,26 @@ def test_rerendering_the_reference_figures_changes_nothing(tmp_path):
             assert filecmp.cmp(f, twin, shallow=False), f"re-rendering changed {f.relative_to(ROOT)}"
 
 
+def reference_run(tmp_path, peers_made=True):
+    """scripts/reference_run.sh as a dry run: (call(*args, **env), peers, results folder)."""
+    peers, site, rd = tmp_path / "peers", tmp_path / "site", tmp_path / "set"
+    (site / "snakemake").mkdir(parents=True)            # the wheels counted as installed
+    if peers_made:
+        (peers / "wheels").mkdir(parents=True)
+        (peers / "sglang").mkdir()
+    env = dict(os.environ, PYTHON=sys.executable, SITE=str(site), CONFIG="gpu=true", SNAKEMAKE_ARGS="-n")
+
+    def call(*args, **extra):
+        return subprocess.run(["bash", str(ROOT / "scripts/reference_run.sh"), *map(str, args)], cwd=ROOT,
+                              env=dict(env, **extra), capture_output=True, text=True, timeout=300)
+    return call, peers, rd
+
+
 def test_reference_run_script_plans_the_set_and_resumes(tmp_path):
     """scripts/reference_run.sh (the reference set on a node without PyPI), dry-run: the whole
     GPU plan into the folder it is given, the peers' folders checked before any work, and a
     second call on the same folder resuming without rerunning jobs for their files' times."""
-    peers, site, rd = tmp_path / "peers", tmp_path / "site", tmp_path / "set"
-    (site / "snakemake").mkdir(parents=True)            # the wheels counted as installed
-    env = dict(os.environ, PYTHON=sys.executable, SITE=str(site), CONFIG="gpu=true", SNAKEMAKE_ARGS="-n")
-
-    def run(*args, **extra):
-        return subprocess.run(["bash", str(ROOT / "scripts/reference_run.sh"), *map(str, args)], cwd=ROOT,
-                              env=dict(env, **extra), capture_output=True, text=True, timeout=300)
-
+    run, peers, rd = reference_run(tmp_path, peers_made=False)
     r = run(peers, rd)
     assert r.returncode == 2 and f"PEERS: {peers} has no wheels/ folder" in r.stderr
     (peers / "wheels").mkdir(parents=True)
@@ -98,3 +106,22 @@ def test_reference_run_script_plans_the_set_and_resumes(tmp_path):
     r = run(peers, rd)
     assert r.returncode == 0 and "resuming" in r.stderr
     assert "--rerun-triggers params input software-env code" in (rd / "logs" / "snakemake.log").read_text()
+
+
+def test_reference_run_script_unlocks_what_a_killed_run_left(tmp_path):
+    """A snakemake killed at LIMIT leaves the tree locked (seen on the H100, session 75), which
+    made the next call fail at once; the script now unlocks it where no snakemake runs here."""
+    run, peers, rd = reference_run(tmp_path)
+    locks = ROOT / ".snakemake" / "locks"
+    if locks.is_dir() and any(locks.iterdir()):
+        pytest.skip("this tree holds snakemake locks already")
+    locks.mkdir(parents=True, exist_ok=True)
+    ours = locks / "0.output.lock"
+    ours.write_text(f"{rd}/report.md\n")
+    try:
+        r = run(peers, rd)
+        assert r.returncode == 0, r.stderr
+        assert "unlocked the tree a killed run had left locked" in r.stderr
+        assert not ours.exists()
+    finally:
+        ours.unlink(missing_ok=True)
