@@ -6,7 +6,7 @@
 # their files' times alone, since a copied tree's times are the copy's; a lock left by a
 # snakemake killed at LIMIT is removed first, where none runs in this tree).
 #   scripts/reference_run.sh PEERS [RESULTS]      # PEERS: scripts/offline_peers.py's folder
-# Environment: LIMIT (seconds, default none; killed 20 s later if snakemake has not stopped),
+# Environment: LIMIT (seconds, default none; then SIGINT, killed 20 s later if not stopped),
 # SITE (/tmp/site), PYTHON (python3), CONFIG (more config as key=value words), SNAKEMAKE_ARGS
 # (more flags, e.g. -n), KDTREE_GIT_COMMIT (the commit measured, where the tree has no .git).
 set -uo pipefail
@@ -48,8 +48,11 @@ if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then
   say "unlocked the tree a killed run had left locked"
 fi
 [ ${#resume[@]} -gt 0 ] && say "resuming the run in $rd"
+# LIMIT stops snakemake by SIGINT, which it handles by cancelling its jobs. A SIGTERM hung one
+# run on the H100 until the kill; by snakemake 9.27's source, its TERM handler waits for the
+# scheduler's lock, which the interrupted main thread may be holding.
 # shellcheck disable=SC2086  # CONFIG and SNAKEMAKE_ARGS are lists of words
-timeout -k 20 "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
+timeout -s INT -k 20 "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
   --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-} "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
   >> "$log" 2>&1
 rc=$?
