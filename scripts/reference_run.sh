@@ -28,6 +28,9 @@ if [ ! -d "$site/snakemake" ]; then
 fi
 export PYTHONPATH="$site:$(realpath "$peers/sglang")${PYTHONPATH:+:$PYTHONPATH}"
 log=$rd/logs/snakemake.log
+# What every snakemake call here takes (the target, where one is named, goes before them).
+# shellcheck disable=SC2206  # CONFIG is a list of words
+common=(--profile workflow/profiles/local --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-})
 resume=()
 [ -s "$log" ] && resume=(--rerun-triggers params input software-env code)
 # A run that outlived LIMIT's grace was killed and left this tree locked: unlock it, where no
@@ -42,18 +45,15 @@ running_here() {
 }
 if [ -n "$(ls -A .snakemake/locks 2>/dev/null)" ]; then
   if running_here; then say "a snakemake runs in $(pwd -P): let it finish or stop it first"; exit 2; fi
-  # shellcheck disable=SC2086
-  "$py" -m snakemake --profile workflow/profiles/local --configfile config/reference.yaml \
-    --config "results_dir=$rd" ${CONFIG:-} --unlock >> "$log" 2>&1 || { say "unlocking $(pwd -P) failed (see $log)"; exit 1; }
+  "$py" -m snakemake "${common[@]}" --unlock >> "$log" 2>&1 || { say "unlocking $(pwd -P) failed (see $log)"; exit 1; }
   say "unlocked the tree a killed run had left locked"
 fi
 [ ${#resume[@]} -gt 0 ] && say "resuming the run in $rd"
 # LIMIT stops snakemake by SIGINT, which it handles by cancelling its jobs. A SIGTERM hung one
 # run on the H100 until the kill; by snakemake 9.27's source, its TERM handler waits for the
 # scheduler's lock, which the interrupted main thread may be holding.
-# shellcheck disable=SC2086  # CONFIG and SNAKEMAKE_ARGS are lists of words
-timeout -s INT -k 20 "${LIMIT:-0}" "$py" -m snakemake --profile workflow/profiles/local all \
-  --configfile config/reference.yaml --config "results_dir=$rd" ${CONFIG:-} "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
+# shellcheck disable=SC2086  # SNAKEMAKE_ARGS is a list of words
+timeout -s INT -k 20 "${LIMIT:-0}" "$py" -m snakemake all "${common[@]}" "${resume[@]}" ${SNAKEMAKE_ARGS:-} \
   >> "$log" 2>&1
 rc=$?
 # 124: snakemake stopped at LIMIT; 137: killed 20 s later.
