@@ -188,9 +188,12 @@ def test_sigint_keeps_the_finished_requests(tmp_path):
     out = tmp_path / "p.parquet"
     with FakeSGLang(ttft_s=0.01, step_s=0.02, accept=2) as srv:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # SIGINT at its default in the child, so Python raises KeyboardInterrupt for it even
+        # where these tests run as a background job (a shell starts those with SIGINT ignored).
         proc = subprocess.Popen([sys.executable, "-m", "kdtree", "probe", "--url", srv.url, "--out", str(out),
                                  "--requests", "200", "--max-new-tokens", "8"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 60
         while srv.httpd.finished < 3 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.05)
