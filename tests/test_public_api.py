@@ -153,8 +153,7 @@ def test_gpu_tests_in_workers_record_what_one_process_records(tmp_path):
     assert rcs[0] == rcs[1]
     with pytest.raises(ValueError, match="workers: expected an integer >= 1, got 0"):
         gpu_tests.run_gpu_tests(tmp_path / "w0.parquet", workers=0)
-    rows, rc = gpu_tests.run_shards([["tests/test_public_api.py::no_such_test"]], {**__import__("os").environ},
-                                    tmp_path)
+    rows, rc = gpu_tests.run_shards([["tests/test_public_api.py::no_such_test"]], dict(os.environ), tmp_path)
     assert rc == 4 and rows[0]["outcome"] == "error" and rows[0]["test_id"] == "<shard 1>"
 
 
