@@ -831,6 +831,14 @@ def test_hopper_dispatches_to_wgmma(ops):
     # The split that fills one wave: many splits for one request, none for a full grid.
     assert 64 <= plan(ops, 1, 8, max_seq=32768).num_splits <= 128
     assert plan(ops, 16, 64 * 16, max_seq=32768).num_splits == 1   # 256 CTAs: past one wave
+    # More splits than the fill where it leaves SMs idle for a wave: a request's last row tile
+    # holds H rows at D = budget + 1 (B 16, H 8, D 65: 144 row tiles, two waves at one split;
+    # B 8: 72 row tiles on 132 SMs).
+    if sms == 132:
+        assert 3 <= plan(ops, 16, 65 * 8, max_seq=8192 + 128).num_splits <= 6
+        assert 3 <= plan(ops, 8, 65 * 8, max_seq=8192 + 128).num_splits <= 6
+        assert 6 <= plan(ops, 16, 65 * 8, max_seq=32768 + 128).num_splits <= 12
+        assert plan(ops, 16, 257 * 8, max_seq=8192 + 320).num_splits == 1   # 528 CTAs: 4 waves
     # Every split holds keys at max_seq: a split takes ceil(tiles / splits) tiles, and the
     # splits past the last tile are not launched.
     for B, R, max_seq in ((1, 8, 129 * 64), (1, 8, 513 * 64), (16, 8, 17 * 64), (1, 8, 1000), (1, 128, 8256)):

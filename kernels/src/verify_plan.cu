@@ -14,8 +14,10 @@
 // |         | cp.async otherwise                                                        |
 // | ahead   | wgmma page-slab TMA, R > 64: the next tile's table entry read a tile      |
 // |         | ahead (in the kernel: the producer's loop)                                |
-// | splits  | fill one wave: wave / (B * row tiles), at most tiles / (1 if <= 2 row     |
-// |         | tiles else 2), 1..128; then only those that hold keys at max_seq          |
+// | splits  | from the count that fills one wave (wave / (B * row tiles), 1 past it)   |
+// |         | up to 16, the one whose waves, CTA turnarounds and combine cost least; at |
+// |         | most tiles / (1 if <= 2 row tiles else 2), 1..128; then only those that   |
+// |         | hold keys at max_seq                                                      |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 // | combine | on 9.x a programmatic dependent: after mma.sync always; after wgmma where  |
@@ -24,6 +26,8 @@
 //
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
 #include "verify_common.cuh"
+
+#include <cmath>
 
 // How the combine follows the wgmma kernel where the table's rule holds (A/B builds: 0
 // plain, 1 a dependent without the hold, 2 as planned).
@@ -58,16 +62,37 @@ bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
 #endif
 }
 
-// One wave of CTAs over B requests' row tiles; each split keeps one key tile where the
-// launch has one or two row tiles a request (re-reading Q is cheap there), else two.
-int choose_splits(int B, int row_tiles, long long max_seq, int keys, int wave) {
-  const long long ctas = (long long)B * row_tiles;
-  const long long want = wave / (ctas > 0 ? ctas : 1);
+// The split count: from the one that fills one wave (wave / (B x row tiles), or 1 past one
+// wave) up to 16, the one whose waves cost least, counted in key-tile times: waves(s) x (a
+// split's tiles + a CTA's turnaround) + s x the combine's share of a split's partial rows.
+// The fill alone can leave SMs idle for a whole wave: a request's last row tile holds only H
+// rows where D = budget + 1 (B 16, H 8, D 65: 144 CTAs in two waves; B 8: 72 CTAs on 132 SMs).
+// A split keeps one key tile where the launch has one or two row tiles a request (re-reading
+// Q is cheap there), else two.
+constexpr double TURNAROUND_TILES = 3;        // a CTA's Q copy, first tile and stores
+constexpr double COMBINE_ROWS_A_TILE = 2400;  // partial rows written and merged in a tile's time
+constexpr long long MAX_SPLITS_PAST_FILL = 16;
+
+double split_cost(int B, int R, long long ctas, long long tiles, long long s, int wave) {
+  const double waves = std::ceil((double)ctas * s / wave);
+  const double combine = s > 1 ? (double)s * B * R / COMBINE_ROWS_A_TILE : 0;
+  return waves * ((double)((tiles + s - 1) / s) + TURNAROUND_TILES) + combine;
+}
+
+int choose_splits(int B, int R, int row_tiles, long long max_seq, int keys, int wave) {
+  const long long ctas = (long long)B * row_tiles > 0 ? (long long)B * row_tiles : 1;
   const long long tiles = (max_seq + keys - 1) / keys;
   const long long per = row_tiles <= 2 ? 1 : 2;
-  long long s = want < tiles / per ? want : tiles / per;
-  if (s > MAX_SPLITS) s = MAX_SPLITS;
-  if (s < 1) return 1;
+  long long cap = tiles / per;
+  if (cap > MAX_SPLITS) cap = MAX_SPLITS;
+  if (cap < 1) return 1;
+  long long s = ctas > wave ? 1 : wave / ctas;
+  if (s > cap) s = cap;
+  double best = split_cost(B, R, ctas, tiles, s, wave);
+  for (long long more = s + 1; more <= cap && more <= MAX_SPLITS_PAST_FILL; ++more) {
+    const double c = split_cost(B, R, ctas, tiles, more, wave);
+    if (c < best) best = c, s = more;
+  }
   // A split takes ceil(tiles / s) tiles (split_keys): launch only the splits that then hold
   // keys at max_seq, so no CTA and no combine read is spent on an empty one.
   const long long each = (tiles + s - 1) / s;
@@ -111,7 +136,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   if (rc) return rc;
   const int row_tiles = kd::ceil_div(R, pl.rows_per_cta);
   pl.num_splits = num_splits > 0 ? num_splits
-                                  : kd::choose_splits(B, row_tiles, max_seq, pl.keys_per_tile, wave > 0 ? wave : 1);
+                                  : kd::choose_splits(B, R, row_tiles, max_seq, pl.keys_per_tile, wave > 0 ? wave : 1);
   pl.merge = 0;
   if (pl.num_splits > 1) {
     pl.merge = 2;
