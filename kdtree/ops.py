@@ -438,8 +438,10 @@ class TreeVerifyPlan:
 
     ``B`` requests of ``D`` tree slots and ``H`` heads, over a paged latent cache of
     ``page_size`` keys a page and block tables of ``max_pages`` columns. ``kernel``: one of
-    VERIFY_KERNELS. ``num_splits``: None lets the library fill one wave of the GPU.
-    A plan's workspace serves one launch at a time (one stream).
+    VERIFY_KERNELS. ``num_splits``: None lets the library choose it for ``max_pages``' keys
+    (``split_base`` > 0: it chose more than fill one wave, which pays for requests near that
+    length; for much shorter ones, plan again with ``num_splits=split_base``); an integer
+    forces it. A plan's workspace serves one launch at a time (one stream).
     """
 
     def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
@@ -458,7 +460,7 @@ class TreeVerifyPlan:
         self.B, self.D, self.H, self.page_size, self.max_pages = B, D, H, page_size, max_pages
         self.kernel = _KERNEL_NAMES[pl.kernel]
         self.copy = _COPY_NAMES[pl.copy] if pl.kernel == 1 else "cp_async"
-        self.num_splits = pl.num_splits
+        self.num_splits, self.split_base = pl.num_splits, pl.split_base
         self.merge = _MERGE_NAMES[pl.merge]
         self.combine = _COMBINE_NAMES[pl.combine] if self.merge == "combine_kernel" else None
         self.rows_per_cta, self.keys_per_tile = pl.rows_per_cta, pl.keys_per_tile
@@ -469,7 +471,8 @@ class TreeVerifyPlan:
     def __repr__(self):
         return (f"TreeVerifyPlan(B={self.B}, D={self.D}, H={self.H}, page_size={self.page_size}, "
                 f"max_pages={self.max_pages}: kernel={self.kernel}, copy={self.copy}, "
-                f"num_splits={self.num_splits}, merge={self.merge}, combine={self.combine})")
+                f"num_splits={self.num_splits}, split_base={self.split_base}, merge={self.merge}, "
+                f"combine={self.combine})")
 
     @property
     def name(self) -> str:

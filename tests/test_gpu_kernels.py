@@ -839,6 +839,11 @@ def test_hopper_dispatches_to_wgmma(ops):
         assert 3 <= plan(ops, 8, 65 * 8, max_seq=8192 + 128).num_splits <= 6
         assert 6 <= plan(ops, 16, 65 * 8, max_seq=32768 + 128).num_splits <= 12
         assert plan(ops, 16, 257 * 8, max_seq=8192 + 320).num_splits == 1   # 528 CTAs: 4 waves
+        # The fill is reported where the count passes it (split_base), else 0.
+        assert plan(ops, 16, 65 * 8, max_seq=8192 + 128).split_base == 1
+        assert plan(ops, 8, 65 * 8, max_seq=8192 + 128).split_base == 1
+        assert plan(ops, 16, 257 * 8, max_seq=8192 + 320).split_base == 0
+        assert plan(ops, 16, 65 * 8, max_seq=8192 + 128, num_splits=5).split_base == 0  # forced
     # Every split holds keys at max_seq: a split takes ceil(tiles / splits) tiles, and the
     # splits past the last tile are not launched.
     for B, R, max_seq in ((1, 8, 129 * 64), (1, 8, 513 * 64), (16, 8, 17 * 64), (1, 8, 1000), (1, 128, 8256)):

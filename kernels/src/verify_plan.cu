@@ -68,7 +68,8 @@ bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
 // The fill alone can leave SMs idle for a whole wave: a request's last row tile holds only H
 // rows where D = budget + 1 (B 16, H 8, D 65: 144 CTAs in two waves; B 8: 72 CTAs on 132 SMs).
 // A split keeps one key tile where the launch has one or two row tiles a request (re-reading
-// Q is cheap there), else two.
+// Q is cheap there), else two. The count is for max_seq's keys: the plan reports the fill
+// (split_base) where the count passes it, for callers whose requests are much shorter.
 constexpr double TURNAROUND_TILES = 3;        // a CTA's Q copy, first tile and stores
 constexpr double COMBINE_ROWS_A_TILE = 2400;  // partial rows written and merged in a tile's time
 constexpr long long MAX_SPLITS_PAST_FILL = 16;
@@ -79,15 +80,19 @@ double split_cost(int B, int R, long long ctas, long long tiles, long long s, in
   return waves * ((double)((tiles + s - 1) / s) + TURNAROUND_TILES) + combine;
 }
 
-int choose_splits(int B, int R, int row_tiles, long long max_seq, int keys, int wave) {
+struct SplitChoice {
+  int count, base;  // base: the fill where count passes it, else 0
+};
+SplitChoice choose_splits(int B, int R, int row_tiles, long long max_seq, int keys, int wave) {
   const long long ctas = (long long)B * row_tiles > 0 ? (long long)B * row_tiles : 1;
   const long long tiles = (max_seq + keys - 1) / keys;
   const long long per = row_tiles <= 2 ? 1 : 2;
   long long cap = tiles / per;
   if (cap > MAX_SPLITS) cap = MAX_SPLITS;
-  if (cap < 1) return 1;
+  if (cap < 1) return {1, 0};
   long long s = ctas > wave ? 1 : wave / ctas;
   if (s > cap) s = cap;
+  const long long fill = s;
   double best = split_cost(B, R, ctas, tiles, s, wave);
   for (long long more = s + 1; more <= cap && more <= MAX_SPLITS_PAST_FILL; ++more) {
     const double c = split_cost(B, R, ctas, tiles, more, wave);
@@ -96,7 +101,8 @@ int choose_splits(int B, int R, int row_tiles, long long max_seq, int keys, int 
   // A split takes ceil(tiles / s) tiles (split_keys): launch only the splits that then hold
   // keys at max_seq, so no CTA and no combine read is spent on an empty one.
   const long long each = (tiles + s - 1) / s;
-  return (int)((tiles + each - 1) / each);
+  const int count = (int)((tiles + each - 1) / each);
+  return {count, count > fill ? (int)fill : 0};
 }
 
 }  // namespace
@@ -135,8 +141,10 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   }
   if (rc) return rc;
   const int row_tiles = kd::ceil_div(R, pl.rows_per_cta);
-  pl.num_splits = num_splits > 0 ? num_splits
-                                  : kd::choose_splits(B, R, row_tiles, max_seq, pl.keys_per_tile, wave > 0 ? wave : 1);
+  pl.wave = wave > 0 ? wave : 1;
+  const kd::SplitChoice split = kd::choose_splits(B, R, row_tiles, max_seq, pl.keys_per_tile, pl.wave);
+  pl.num_splits = num_splits > 0 ? num_splits : split.count;
+  pl.split_base = num_splits > 0 ? 0 : split.base;
   pl.merge = 0;
   if (pl.num_splits > 1) {
     pl.merge = 2;
