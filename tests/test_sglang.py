@@ -320,19 +320,21 @@ def test_builder_buffer_holds_every_field_once(D):
 def test_verify_attention_keeps_the_fill_for_a_context_wide_table(monkeypatch, split_base):
     """VerifyAttention plans for max_seq_len, SGLang's context length, not the batch's lengths:
     where the library's count passes one wave's fill (split_base > 0, chosen for max_seq_len's
-    keys), it plans again with the fill, so short requests keep splits of many keys."""
+    keys), it runs the fill, so short requests keep splits of many keys; only the plan that
+    runs holds a workspace."""
     from kdtree.sglang import attention
 
     made = []
 
     class FakePlan:
-        def __init__(self, B, D, H, page_size, max_pages, *, device=None, kernel="auto", num_splits=None):
-            made.append(num_splits)
+        def __init__(self, B, D, H, page_size, max_pages, *, device=None, kernel="auto", num_splits=None,
+                     own_workspace=True):
+            made.append((num_splits, own_workspace))
             self.device = torch.device("cpu")
             self.split_base = split_base if num_splits is None else 0
             self.num_splits = num_splits or (11 if split_base else 4)
 
     monkeypatch.setattr(attention.ops, "TreeVerifyPlan", FakePlan)
     va = sglang.VerifyAttention(16, 65, 8, 131072, device="cpu")
-    assert made == ([None, split_base] if split_base else [None])
+    assert made == [(None, False), (split_base or 4, True)]
     assert va.plan.num_splits == (split_base if split_base else 4)
