@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 11  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 12  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
@@ -57,7 +57,7 @@ _ABI = {
     "kd_build_set_smem_limit": [_I],
     "kd_tree_accept": [_P] * 3 + [_I, _P] + [_I] * 3 + [_P] * 3 + [_P],
     "kd_tree_accept_parents": [_P] * 4 + [_I] * 3 + [_P] * 3 + [_P],
-    "kd_verify_plan_make": [_I] * 7 + [ctypes.POINTER(KdVerifyPlan)],
+    "kd_verify_plan_make": [_I] * 8 + [ctypes.POINTER(KdVerifyPlan)],
     "kd_verify_run": [ctypes.POINTER(KdVerifyPlan), _P, _P, _I, _P, _I, _P, _P, _P, _I, ctypes.c_float,
                       _P, _P, _P, _P, _P],
     "kd_sglang_custom_mask": [_P, _P, _I, _I, _I, ctypes.c_int64, _P, _P, _P],

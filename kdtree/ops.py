@@ -438,24 +438,33 @@ class TreeVerifyPlan:
 
     ``B`` requests of ``D`` tree slots and ``H`` heads, over a paged latent cache of
     ``page_size`` keys a page and block tables of ``max_pages`` columns. ``kernel``: one of
-    VERIFY_KERNELS. ``num_splits``: None lets the library choose it for ``max_pages``' keys
-    (``split_base`` > 0: it chose more than fill one wave, which pays for requests near that
-    length; for much shorter ones, plan again with ``num_splits=split_base``); an integer
-    forces it. A plan's workspace serves one launch at a time (one stream).
+    VERIFY_KERNELS. ``num_splits``: None lets the library choose it for ``max_pages``' keys;
+    an integer forces every request to it. ``per_request_splits`` (with ``num_splits`` None):
+    each request takes the library's count for its own keys (``split_base`` > 0 where that
+    differs from one count for all), for block tables much wider than their requests, as a
+    server's context length makes them; requests as long as the table pay a few percent. A
+    plan's workspace serves one launch at a time (one stream).
     """
 
     def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
-                 kernel: str = "auto", num_splits: int | None = None, own_workspace: bool = True):
+                 kernel: str = "auto", num_splits: int | None = None, per_request_splits: bool = False,
+                 own_workspace: bool = True):
         _check_sizes(("B", B, 0), ("D", D, 1), ("H", H, 1), ("page_size", page_size, 1), ("max_pages", max_pages, 1))
         if kernel not in VERIFY_KERNELS:
             raise InputError(f"kernel: expected one of {VERIFY_KERNELS}, got {kernel!r}")
         _check_num_splits(num_splits)
+        if not isinstance(per_request_splits, bool):
+            raise InputError(f"per_request_splits: expected True or False, got {per_request_splits!r}")
+        if per_request_splits and num_splits is not None:
+            raise InputError(f"per_request_splits: takes the library's counts, so num_splits must be None, "
+                             f"got {num_splits!r}")
         self.device = cuda_device(device)
         self.kernel_request = kernel
         self._plan = KdVerifyPlan()
         with torch.cuda.device(self.device):
             _check(lib().kd_verify_plan_make(B, D, H, page_size, max_pages, VERIFY_KERNELS.index(kernel),
-                                             num_splits or 0, ctypes.byref(self._plan)), "TreeVerifyPlan")
+                                             num_splits or 0, int(per_request_splits), ctypes.byref(self._plan)),
+                   "TreeVerifyPlan")
         pl = self._plan
         self.B, self.D, self.H, self.page_size, self.max_pages = B, D, H, page_size, max_pages
         self.kernel = _KERNEL_NAMES[pl.kernel]

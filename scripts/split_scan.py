@@ -3,6 +3,11 @@ the `splits` row of the dispatch table (kernels/src/verify_plan.cu). Graph repla
 rotating cache copies (L2 cold), as the verify sweep times them; one Parquet row a point.
 
     python3 scripts/split_scan.py OUT.parquet [--heads 8 16] [--slots 1] [--prefixes 8192 32768]
+
+--plan-keys N makes every plan for block tables of N keys (padded with page 0) while each
+request holds only its prefix and slots: a plan for longer requests than the batch's, as the
+SGLang drop-in plans for the server's context length. --per-request adds that plan with
+per_request_splits (each request its own count), as the drop-in makes it.
 """
 import argparse
 
@@ -25,6 +30,8 @@ def main():
     a.add_argument("--batches", type=int, nargs="+", default=[16])
     a.add_argument("--page", type=int, default=64)
     a.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    a.add_argument("--plan-keys", type=int, default=0, help="plan for tables of this many keys (0: the batch's)")
+    a.add_argument("--per-request", action="store_true", help="also time the plan with per-request split counts")
     args = a.parse_args()
     copy_gbps = measure_ceilings()["copy_gbps"]
     rows = []
@@ -33,23 +40,31 @@ def main():
             for P in args.prefixes:
                 for B in args.batches:
                     q, cache, table, seq, vis = gpu_case(B, D, H, P, args.page, seed=B + D + H + P)
+                    width = -(-args.plan_keys // args.page)
+                    if width > table.shape[1]:
+                        table = torch.cat([table, table.new_zeros(B, width - table.shape[1])], dim=1)
                     copies = cache_copies(cache, cap=64)
                     caches = cache_set(cache, copies)
                     nbytes = attention_bytes(B, D, H, P)
-                    for s in [None] + args.splits:
-                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s)
-                        out = ops.tree_verify(q, cache, table, seq, vis, 0.130861, num_splits=s)
+                    # (forced count or None, per-request counts)
+                    specs = [(None, False)] + [(s, False) for s in args.splits]
+                    specs += [(None, True)] if args.per_request else []
+                    for s, per_request in specs:
+                        kw = dict(per_request_splits=True) if per_request else {}
+                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s, **kw)
+                        out = plan.run(q, cache, table, seq, vis, 0.130861)
                         next_cache = rotation(caches)
-                        fn = lambda: ops.tree_verify(q, next_cache(), table, seq, vis, 0.130861, num_splits=s,
-                                                     out=out)
+                        fn = lambda: plan.run(q, next_cache(), table, seq, vis, 0.130861, out=out)
                         t = time_graph(fn, replays=10, inner=replay_inner(copies, 3))
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
-                                         forced=s or 0, num_splits=plan.num_splits, kernel=plan.name,
+                                         plan_keys=table.shape[1] * args.page, forced=s or 0,
+                                         per_request=per_request, num_splits=plan.num_splits,
+                                         split_base=getattr(plan, "split_base", 0), kernel=plan.name,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),
                                          copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9), **t))
-                        print(rows[-1]["heads"], D, P, B, s, plan.num_splits, plan.name, round(t["median_us"], 1),
-                              round(rows[-1]["copy_fraction"], 3), flush=True)
-                    del q, cache, caches, table, seq, vis
+                        print(rows[-1]["heads"], D, P, B, s, per_request, plan.num_splits, plan.name,
+                              round(t["median_us"], 1), round(rows[-1]["copy_fraction"], 3), flush=True)
+                    q = cache = caches = table = seq = vis = None  # free the point before the next
                     torch.cuda.empty_cache()
     pd.DataFrame(rows).to_parquet(args.out, index=False)
 

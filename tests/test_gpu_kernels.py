@@ -764,12 +764,13 @@ def verify_path(request, ops):
     return request.param
 
 
-def plan(ops, B, R, page=64, max_seq=None, kernel="auto", num_splits=None, H=8):
+def plan(ops, B, R, page=64, max_seq=None, kernel="auto", num_splits=None, H=8, per_request=False):
     """The plan of B requests of R = D * H rows over max_seq keys (default: a launch that fills
     the GPU)."""
     assert R % H == 0
     max_seq = max_seq or 64 * 1024
-    return ops.TreeVerifyPlan(B, R // H, H, page, -(-max_seq // page), kernel=kernel, num_splits=num_splits)
+    return ops.TreeVerifyPlan(B, R // H, H, page, -(-max_seq // page), kernel=kernel, num_splits=num_splits,
+                              per_request_splits=per_request)
 
 
 def test_hopper_dispatches_to_wgmma(ops):
@@ -839,11 +840,15 @@ def test_hopper_dispatches_to_wgmma(ops):
         assert 3 <= plan(ops, 8, 65 * 8, max_seq=8192 + 128).num_splits <= 6
         assert 6 <= plan(ops, 16, 65 * 8, max_seq=32768 + 128).num_splits <= 12
         assert plan(ops, 16, 257 * 8, max_seq=8192 + 320).num_splits == 1   # 528 CTAs: 4 waves
-        # The fill is reported where the count passes it (split_base), else 0.
-        assert plan(ops, 16, 65 * 8, max_seq=8192 + 128).split_base == 1
-        assert plan(ops, 8, 65 * 8, max_seq=8192 + 128).split_base == 1
-        assert plan(ops, 16, 257 * 8, max_seq=8192 + 320).split_base == 0
-        assert plan(ops, 16, 65 * 8, max_seq=8192 + 128, num_splits=5).split_base == 0  # forced
+        # Per-request plans take counts from the fill (split_base) where the count passes it;
+        # they never merge in clusters. Other plans: 0.
+        per_request = lambda B, R, max_seq: plan(ops, B, R, max_seq=max_seq, per_request=True)
+        assert per_request(16, 65 * 8, 8192 + 128).split_base == 1
+        assert per_request(8, 65 * 8, 8192 + 128).split_base == 1
+        assert per_request(16, 257 * 8, 8192 + 320).split_base == 0
+        assert plan(ops, 16, 65 * 8, max_seq=8192 + 128).split_base == 0
+        assert per_request(16, 65 * 8, 8192 + 128).num_splits == plan(ops, 16, 65 * 8, max_seq=8192 + 128).num_splits
+        assert per_request(16, 65 * 8, 2048 + 128).merge == "combine_kernel"
     # Every split holds keys at max_seq: a split takes ceil(tiles / splits) tiles, and the
     # splits past the last tile are not launched.
     for B, R, max_seq in ((1, 8, 129 * 64), (1, 8, 513 * 64), (16, 8, 17 * 64), (1, 8, 1000), (1, 128, 8256)):
@@ -949,6 +954,34 @@ def test_verify_held_combines_on_concurrent_streams(ops):
     for t in threads:
         t.join()
     assert not failures, failures
+
+
+@pytest.mark.parametrize("kernel,page", [("auto", 64), ("mma_sync", 64), ("wgmma_cp_async", 64)])
+def test_verify_splits_follow_each_request_length(ops, kernel, page):
+    """A per-request plan for long requests whose count passes the one-wave fill (B 16, H 8,
+    D 65 over 32k keys: 144 row tiles) gives each request the count of its own length: short
+    ones leave later splits empty, which write only their LSEs and which the combine must
+    weigh 0. The workspace is poisoned with NaN first, so a split that wrote nothing shows."""
+    prefixes = [0, 1, 63, 64, 100, 700, 1500, 2100, 4000, 6000, 9000, 12000, 17000, 25000, 30000, 32768]
+    case = paged_case(prefixes, 65, 8, page, seed=77, device=DEV)
+    B, D, H = 16, 65, 8
+    pages = -(-(32768 + D) // page)
+    table = torch.zeros(B, pages + 3, dtype=torch.int32, device=DEV)  # wider than any request
+    table[:, :case.block_table.shape[1]] = case.block_table
+    plan = ops.TreeVerifyPlan(B, D, H, page, table.shape[1], kernel=kernel, per_request_splits=True)
+    if torch.cuda.get_device_properties(0).multi_processor_count == 132 and kernel != "mma_sync":
+        assert plan.split_base == 1 and plan.num_splits > 1, plan
+    for t in plan.workspace:
+        if t is not None:
+            t.fill_(float("nan"))
+    out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((B, D, H), float("nan"), dtype=torch.float32, device=DEV)
+    plan.run(case.q, case.kv_cache, table, case.seq_lens, case.visibility, SCALE, out=(out, lse))
+    ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                        case.visibility, SCALE)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert float((out.double() - ref_o).norm() / ref_o.norm()) <= 5e-3
+    assert (lse.double() - ref_l).abs().max() <= 1e-3
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])

@@ -322,6 +322,10 @@ def test_bindings_name_bad_arguments_without_a_gpu():
         ops.tree_accept(z, z, True, parents=z, node_counts=z)
     with pytest.raises(InputError, match="page_size: expected an integer >= 1"):
         ops.TreeVerifyPlan(1, 2, 8, 0, 4)
+    with pytest.raises(InputError, match="per_request_splits: expected True or False"):
+        ops.TreeVerifyPlan(1, 2, 8, 64, 4, per_request_splits=1)
+    with pytest.raises(InputError, match="per_request_splits: takes the library's counts, so num_splits"):
+        ops.TreeVerifyPlan(1, 2, 8, 64, 4, num_splits=4, per_request_splits=True)
 
 
 def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib_path):
@@ -349,6 +353,12 @@ def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib_pat
         plan.combine = combine
         assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, ok, ok,
                                 None) == 1001, combine
+    plan.combine = 1
+    # per-request counts no plan has: a base past the count, or splits merged in clusters
+    for base, merge in ((3, 2), (1, 1)):
+        plan.split_base, plan.merge, plan.wave = base, merge, 132
+        assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, ok, ok,
+                                None) == 1001, (base, merge)
 
 
 @pytest.mark.parametrize("L", [16, 17, 40])

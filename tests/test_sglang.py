@@ -328,13 +328,13 @@ def test_verify_attention_keeps_the_fill_for_a_context_wide_table(monkeypatch, s
 
     class FakePlan:
         def __init__(self, B, D, H, page_size, max_pages, *, device=None, kernel="auto", num_splits=None,
-                     own_workspace=True):
-            made.append((num_splits, own_workspace))
+                     per_request_splits=False, own_workspace=True):
+            made.append((num_splits, per_request_splits, own_workspace))
             self.device = torch.device("cpu")
             self.split_base = split_base if num_splits is None else 0
             self.num_splits = num_splits or (11 if split_base else 4)
 
     monkeypatch.setattr(attention.ops, "TreeVerifyPlan", FakePlan)
     va = sglang.VerifyAttention(16, 65, 8, 131072, device="cpu")
-    assert made == [(None, False), (split_base or 4, True)]
+    assert made == [(None, True, False), (split_base or 4, False, True)]
     assert va.plan.num_splits == (split_base if split_base else 4)

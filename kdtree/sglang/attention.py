@@ -21,9 +21,10 @@ class VerifyAttention:
         # max_seq_len bounds the requests (SGLang passes its context length), so a split count
         # chosen for it (past one wave's fill) would give short requests splits of a few keys
         # each: keep the fill (docs/kernels/verify_attention.md, v21). The first plan only asks
-        # the rule (no workspace); the second, forced, is the one that runs.
+        # the rule for the fill (split_base, per-request plans report it; no workspace); the
+        # second, forced, is the one that runs.
         rule = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel,
-                                  own_workspace=False)
+                                  per_request_splits=True, own_workspace=False)
         self.plan = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel,
                                        num_splits=rule.split_base or rule.num_splits)
         self.bs, self.q, self.num_heads, self.max_seq_len = bs, q, num_heads, max_seq_len

@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 11
+#define KD_ABI_VERSION 12
 int kd_version(void);
 // A sentence for a code an entry point returned: CUDA's for a cudaError_t, kdtree's for a
 // KD_ERR_* code; never NULL, and callable without a GPU.
@@ -98,18 +98,21 @@ typedef struct kd_verify_plan {
   // launch after the attention kernel, 1 its programmatic dependent, 2 a programmatic
   // dependent held to ceil(CTAs / SMs) CTAs an SM.
   int kernel, copy, rows_per_cta, keys_per_tile, num_splits, merge, small_launch, combine;
-  // wave: CTAs of that kernel resident at once. split_base: where the rule chose more splits
-  // than fill one wave (num_splits 0 asked), that fill, else 0. The rule's count is for
-  // max_pages' keys; a caller whose tables are much wider than its requests (a server's
-  // context length) may plan again with num_splits = split_base.
+  // wave: CTAs of this kernel resident at once. split_base > 0 (per_request plans whose count
+  // passes the one-wave fill, split_base): num_splits is the count for max_pages, and a
+  // request with fewer keys takes the count the plan's rule gives its own length, from
+  // split_base up (its other splits hold no keys); 0: every request takes num_splits.
   int wave, split_base;
 } kd_verify_plan;
 
 // Plans a launch of B requests, D tree slots and H heads each, over block tables of
 // max_pages pages of page_size keys, on the current device. path: KD_VERIFY_*.
-// num_splits: 0 lets the rule choose (verify_plan.cu), for max_pages' keys; 1..128 forces it.
+// num_splits: 0 lets the plan's rule choose (verify_plan.cu) for max_pages' keys; 1..128
+// forces it. per_request 1 (num_splits 0 only): each request takes the rule's count for its
+// own keys, for tables much wider than their requests (a server's context length); it costs
+// requests as long as the table a few percent.
 int kd_verify_plan_make(int B, int D, int H, int page_size, int max_pages, int path, int num_splits,
-                        kd_verify_plan* plan);
+                        int per_request, kd_verify_plan* plan);
 
 // Runs a plan on the current device (the plan's). q bf16 [B, D, H, 576] (SGLang's
 // [B*D, H, 576] is the same memory); kv_cache bf16 [num_pages, page_size, 576] (SGLang's

@@ -82,7 +82,9 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* tab
   }
 }
 
-template <class T>
+// PER_REQUEST: each request takes its own split count (plans with split_base > 0); a
+// separate build so that other plans run the kernel without it.
+template <class T, bool PER_REQUEST>
 __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attention_kernel(Params p) {
   constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -100,8 +102,14 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int col0 = half * 256;         // this warp's output columns
   const int key0 = half * 16;          // this warp's keys within a tile, for S
   const int32_t* table = request_table(p, b);
-  const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
+  const SplitKeys ks = split_keys<PER_REQUEST>(p, b, split, KEYS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
+  if constexpr (PER_REQUEST) {
+    if (ntiles == 0) {  // a short request's later split: only its LSEs
+      write_empty_split(p, b, split, m0, ROWS);
+      return;
+    }
+  }
 
   // Q tile (rows past R zero-filled) rides in the first group with key tile 0.
   for (int c = tid; c < ROWS * CHUNKS; c += THREADS) {
@@ -258,21 +266,26 @@ int with_tile(int rows, F f) {
 
 template <class T>
 int ctas_per_sm(int* n) {
-  cudaError_t e = configure_once<verify_attention_kernel<T>>((int)T::SMEM_BYTES);
+  cudaError_t e = configure_once<verify_attention_kernel<T, false>>((int)T::SMEM_BYTES);
   if (e == cudaSuccess)
-    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, verify_attention_kernel<T>, T::THREADS,
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, verify_attention_kernel<T, false>, T::THREADS,
                                                       T::SMEM_BYTES);
   return (int)e;
 }
 
-template <class T>
-int launch(const Params& p, int B, cudaStream_t st) {
-  const cudaError_t e = configure_once<verify_attention_kernel<T>>((int)T::SMEM_BYTES);
+template <class T, bool PER_REQUEST>
+int launch_as(const Params& p, int B, cudaStream_t st) {
+  const cudaError_t e = configure_once<verify_attention_kernel<T, PER_REQUEST>>((int)T::SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
   dim3 grid(ceil_div(p.R, T::ROWS), p.num_splits, B);
-  verify_attention_kernel<T><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);
+  verify_attention_kernel<T, PER_REQUEST><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);
   KD_LAUNCH_CHECK();
   return 0;
+}
+
+template <class T>
+int launch(const Params& p, int B, cudaStream_t st) {
+  return p.split_base > 0 ? launch_as<T, true>(p, B, st) : launch_as<T, false>(p, B, st);
 }
 
 }  // namespace

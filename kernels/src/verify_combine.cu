@@ -37,6 +37,9 @@ __device__ __forceinline__ void fma4(float4& a, float w, uint2 u) {
 // LSE reductions); 8 x 16 bytes a lane.
 constexpr int ROW_PRE = 8;
 
+// SPARSE (plans whose requests take their own counts, split_base > 0): a short request's
+// later splits hold no keys, so the LSEs are read first and only live splits' rows loaded.
+template <bool SPARSE>
 __global__ void __launch_bounds__(32 * WARPS)
 combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
                   int num_splits, int halves, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
@@ -51,10 +54,17 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
     return reinterpret_cast<const uint4*>(part_out + (base + (size_t)s * R) * V_DIM + c);
   };
   pdl_wait();  // the attention kernel's partials
+  float my_lse = -INFINITY;
+  uint32_t live = ~0u;  // splits whose rows are loaded
+  if constexpr (SPARSE) {
+    my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
+    live = __ballot_sync(0xffffffffu, my_lse != -INFINITY);
+  }
   uint4 pre[ROW_PRE];
 #pragma unroll
-  for (int i = 0; i < ROW_PRE; ++i) pre[i] = i < num_splits ? __ldg(src(i)) : make_uint4(0u, 0u, 0u, 0u);
-  const float my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
+  for (int i = 0; i < ROW_PRE; ++i)
+    pre[i] = i < num_splits && (live >> i & 1u) ? __ldg(src(i)) : make_uint4(0u, 0u, 0u, 0u);
+  if constexpr (!SPARSE) my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
   const float m = warp_max(my_lse);
   const float wt = my_lse == -INFINITY ? 0.f : exp2f((my_lse - m) * LOG2E);
   const float tot = warp_sum(wt);
@@ -73,6 +83,7 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
   }
 #pragma unroll 4
   for (int s = ROW_PRE; s < num_splits; ++s) {
+    if (SPARSE && !(live >> s & 1u)) continue;
     const uint4 v = __ldg(src(s));
     const float ws = __shfl_sync(0xffffffffu, wt, s);
     if (ws != 0.f) { fma4(a0, ws, make_uint2(v.x, v.y)); fma4(a1, ws, make_uint2(v.z, v.w)); }
@@ -198,8 +209,10 @@ long long combine_ctas(int B, int R, int num_splits) {
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
   const dim3 grid = combine_grid(B, p.R, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? launch<combine_half_rows>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits, 2 * B * p.R,
-                                  p.out, p.lse)
+      ? (p.split_base > 0 ? launch<combine_half_rows<true>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R,
+                                                             p.num_splits, 2 * B * p.R, p.out, p.lse)
+                          : launch<combine_half_rows<false>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R,
+                                                              p.num_splits, 2 * B * p.R, p.out, p.lse))
       : launch<combine_quarter_rows>(grid, (int)sizeof(QuarterShared), st, how, d, p.part_out, p.part_lse, p.R,
                                      p.num_splits, p.out, p.lse);
   if (rc) return rc;

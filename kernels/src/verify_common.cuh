@@ -21,6 +21,10 @@ struct VerifyParams {
   const int32_t* block_table;  // rows of table_stride entries
   const int32_t* req_rows;     // request b's row of block_table (NULL: row b)
   int table_stride;
+  // split_base > 0: a request takes request_splits' count of the num_splits (the plan's rule,
+  // split_wave CTAs a wave). 16 bits each, in table_stride's padding: past 128 bytes the
+  // struct changed the default kernels' code (docs/kernels/verify_attention.md, v22).
+  short split_base, split_wave;
   const int32_t* seq_lens;
   const void* vis;
   int vis_bits;
@@ -94,14 +98,55 @@ __device__ __forceinline__ int clamped_seq_len(const VerifyParams& p, int b) {
   return min(max(p.seq_lens[b], 0), p.max_pages * p.page_size);
 }
 
+// The split rule's cost (verify_plan.cu's table, `splits`): s splits of a request's `tiles`
+// key tiles, in key-tile times x COMBINE_ROWS_A_TILE: waves(s) x (a split's tiles + a CTA's
+// turnaround) + s x the partial rows the combine merges. Integers, so that the plan and the
+// kernels reach the same count. ctas * 16 must fit an int (the plan's guard).
+constexpr int TURNAROUND_TILES = 3;        // a CTA's Q copy, first tile and stores
+constexpr int COMBINE_ROWS_A_TILE = 2400;  // partial rows written and merged in a tile's time
+constexpr int MAX_SPLITS_PAST_FILL = 16;   // the rule's largest count past the one-wave fill
+static_assert(MAX_SPLITS_PAST_FILL <= 32, "request_splits weighs a count a lane");
+__host__ __device__ inline long long split_cost(int ctas, int wave, long long rows, int tiles, int s) {
+  const int waves = (ctas * s + wave - 1) / wave;
+  return (long long)waves * ((tiles + s - 1) / s + TURNAROUND_TILES) * COMBINE_ROWS_A_TILE +
+         (s > 1 ? s * rows : 0);
+}
+
+// The splits a request of `tiles` key tiles takes where the plan's count was chosen for its
+// longest request (split_base > 0): the least costly count from split_base up to the plan's
+// for this request's own length; a short request leaves the later splits empty. Lane i
+// weighs split_base + i (past the fill at most MAX_SPLITS_PAST_FILL counts, one a lane) and
+// the warp takes the least, ties to fewer splits: a loop over the counts cost every warp of
+// every CTA a few hundred instructions. Not inlined, and scalars only: inlined, its 64-bit
+// costs made the wgmma kernel spill. Call with the whole warp.
+static __device__ __noinline__ int request_splits(int split_base, int num_splits, int ctas, int wave, long long rows,
+                                                  int tiles) {
+  int s = split_base + (int)(threadIdx.x & 31);
+  long long c = s <= num_splits ? split_cost(ctas, wave, rows, tiles, s) : 0x7fffffffffffffffLL;
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long oc = __shfl_xor_sync(0xffffffffu, c, o);
+    const int os = __shfl_xor_sync(0xffffffffu, s, o);
+    if (oc < c || (oc == c && os < s)) c = oc, s = os;
+  }
+  return s;
+}
+
 // Request b's keys for one split: whole tiles of `keys`, the prefix length P (tree slots sit
 // at positions P .. seq-1) and [begin, end) with its tile count.
 struct SplitKeys {
   int P, begin, end, ntiles;
 };
+
+// PER_REQUEST (plans with split_base > 0, kernels built for them): request_splits' count.
+template <bool PER_REQUEST>
 __device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, int b, int split, int keys) {
   const int seq = clamped_seq_len(p, b);
-  const int tiles_per = ceil_div(ceil_div(seq, keys), p.num_splits);
+  const int tiles = ceil_div(seq, keys);
+  // The plan's CTAs (row tiles x B) and rows are the grid's.
+  const int splits = PER_REQUEST ? request_splits(p.split_base, p.num_splits, gridDim.x * gridDim.z, p.split_wave,
+                                                  (long long)gridDim.z * p.R, tiles)
+                                 : p.num_splits;
+  const int tiles_per = ceil_div(tiles, splits);
   SplitKeys r;
   r.P = seq - p.D;
   r.begin = split * tiles_per * keys;
@@ -137,6 +182,14 @@ __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
       o(j, 0) *= alpha[0]; o(j, 1) *= alpha[0]; o(j, 2) *= alpha[1]; o(j, 3) *= alpha[1];
     }
   }
+}
+
+// A split that holds none of request b's keys (a short request under a plan's count, or a
+// ragged batch): the combine weighs its rows 0 by their LSE and never uses their O, so the
+// CTA writes only the LSEs of its `rows` rows from m0 and leaves.
+__device__ __forceinline__ void write_empty_split(const VerifyParams& p, int b, int split, int m0, int rows) {
+  for (int r = threadIdx.x; r < rows && m0 + r < p.R; r += blockDim.x)
+    p.part_lse[((size_t)b * p.num_splits + split) * p.R + m0 + r] = -INFINITY;
 }
 
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value

@@ -17,7 +17,8 @@
 // | splits  | from the count that fills one wave (wave / (B * row tiles), 1 past it)   |
 // |         | up to 16, the one whose waves, CTA turnarounds and combine cost least; at |
 // |         | most tiles / (1 if <= 2 row tiles else 2), 1..128; then only those that   |
-// |         | hold keys at max_seq                                                      |
+// |         | hold keys at max_seq. per_request plans past the fill: each request takes |
+// |         | the rule's count for its own length in the kernel (fill up to the plan's) |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 // | combine | on 9.x a programmatic dependent: after mma.sync always; after wgmma where  |
@@ -27,7 +28,7 @@
 // Why each threshold holds (H200 same-run measurements) is in docs/kernels/verify_attention.md.
 #include "verify_common.cuh"
 
-#include <cmath>
+#include <climits>
 
 // How the combine follows the wgmma kernel where the table's rule holds (A/B builds: 0
 // plain, 1 a dependent without the hold, 2 as planned).
@@ -62,24 +63,13 @@ bool takes_wgmma(const DeviceFacts& d, int R, bool small, int path) {
 #endif
 }
 
-// The split count: from the one that fills one wave (wave / (B x row tiles), or 1 past one
-// wave) up to 16, the one whose waves cost least, counted in key-tile times: waves(s) x (a
-// split's tiles + a CTA's turnaround) + s x the combine's share of a split's partial rows.
-// The fill alone can leave SMs idle for a whole wave: a request's last row tile holds only H
-// rows where D = budget + 1 (B 16, H 8, D 65: 144 CTAs in two waves; B 8: 72 CTAs on 132 SMs).
-// A split keeps one key tile where the launch has one or two row tiles a request (re-reading
-// Q is cheap there), else two. The count is for max_seq's keys: the plan reports the fill
-// (split_base) where the count passes it, for callers whose requests are much shorter.
-constexpr double TURNAROUND_TILES = 3;        // a CTA's Q copy, first tile and stores
-constexpr double COMBINE_ROWS_A_TILE = 2400;  // partial rows written and merged in a tile's time
-constexpr long long MAX_SPLITS_PAST_FILL = 16;
-
-double split_cost(int B, int R, long long ctas, long long tiles, long long s, int wave) {
-  const double waves = std::ceil((double)ctas * s / wave);
-  const double combine = s > 1 ? (double)s * B * R / COMBINE_ROWS_A_TILE : 0;
-  return waves * ((double)((tiles + s - 1) / s) + TURNAROUND_TILES) + combine;
-}
-
+// The split count (split_cost in verify_common.cuh is the rule's cost): from the count that
+// fills one wave (wave / (B x row tiles), or 1 past one wave) up to 16, the least costly for
+// max_seq's tiles. The fill alone can leave SMs idle for a whole wave: a request's last row
+// tile holds only H rows where D = budget + 1 (B 16, H 8, D 65: 144 CTAs in two waves; B 8:
+// 72 CTAs on 132 SMs). A split keeps one key tile where the launch has one or two row tiles
+// a request (re-reading Q is cheap there), else two. A per_request plan whose count passes
+// the fill has the kernels take it again for each request's own length (request_splits).
 struct SplitChoice {
   int count, base;  // base: the fill where count passes it, else 0
 };
@@ -93,10 +83,15 @@ SplitChoice choose_splits(int B, int R, int row_tiles, long long max_seq, int ke
   long long s = ctas > wave ? 1 : wave / ctas;
   if (s > cap) s = cap;
   const long long fill = s;
-  double best = split_cost(B, R, ctas, tiles, s, wave);
-  for (long long more = s + 1; more <= cap && more <= MAX_SPLITS_PAST_FILL; ++more) {
-    const double c = split_cost(B, R, ctas, tiles, more, wave);
-    if (c < best) best = c, s = more;
+  // The rule's integers hold while ctas * 16 fits an int; past 2^26 CTAs (half a million
+  // waves) one more wave is nothing to split for.
+  if (ctas <= (1 << 26) && tiles <= (1 << 30)) {
+    const long long rows = (long long)B * R;
+    long long best = split_cost((int)ctas, wave, rows, (int)tiles, (int)s);
+    for (long long more = s + 1; more <= cap && more <= MAX_SPLITS_PAST_FILL; ++more) {
+      const long long c = split_cost((int)ctas, wave, rows, (int)tiles, (int)more);
+      if (c < best) best = c, s = more;
+    }
   }
   // A split takes ceil(tiles / s) tiles (split_keys): launch only the splits that then hold
   // keys at max_seq, so no CTA and no combine read is spent on an empty one.
@@ -109,9 +104,10 @@ SplitChoice choose_splits(int B, int R, int row_tiles, long long max_seq, int ke
 }  // namespace kd
 
 extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_pages, int path, int num_splits,
-                                   kd_verify_plan* plan) {
+                                   int per_request, kd_verify_plan* plan) {
   if (!plan || B < 0 || D < 1 || H < 1 || page_size < 1 || max_pages < 1 || path < KD_VERIFY_AUTO ||
       path > KD_VERIFY_WGMMA_COMBINE || num_splits < 0 || num_splits > kd::MAX_SPLITS ||
+      (per_request != 0 && (per_request != 1 || num_splits != 0)) ||
       (long long)D * H > (1 << 30))
     return KD_ERR_ARGUMENT;
   const kd::DeviceFacts* d = nullptr;
@@ -144,12 +140,16 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   pl.wave = wave > 0 ? wave : 1;
   const kd::SplitChoice split = kd::choose_splits(B, R, row_tiles, max_seq, pl.keys_per_tile, pl.wave);
   pl.num_splits = num_splits > 0 ? num_splits : split.count;
-  pl.split_base = num_splits > 0 ? 0 : split.base;
+  // Per-request counts where the rule's integers hold in the kernel (VerifyParams: 16 bits).
+  pl.split_base = per_request && pl.wave <= SHRT_MAX ? split.base : 0;
   pl.merge = 0;
   if (pl.num_splits > 1) {
     pl.merge = 2;
 #ifdef KD_HAS_SM90A
-    if (pl.kernel == 1 && kd::verify_wgmma_merges(d->device, B, R, pl.copy, pl.num_splits, path)) pl.merge = 1;
+    // Clusters merge every split of a row tile, full or empty: per-request counts take the combine.
+    if (pl.kernel == 1 && pl.split_base == 0 &&
+        kd::verify_wgmma_merges(d->device, B, R, pl.copy, pl.num_splits, path))
+      pl.merge = 1;
 #endif
     // Set where the splits merge in clusters too: a launch that cannot encode its tensor
     // map falls back to the combine.
@@ -168,6 +168,12 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
       plan->combine > kd::COMBINE_PROGRAMMATIC_HELD)
     return KD_ERR_ARGUMENT;
   if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
+  const long long cta_rows = plan->rows_per_cta > 0 ? plan->rows_per_cta : 1;
+  const long long split_ctas = plan->B * (((long long)plan->D * plan->H + cta_rows - 1) / cta_rows);
+  if (plan->split_base < 0 || plan->split_base > plan->num_splits ||
+      (plan->split_base > 0 && (plan->num_splits > kd::MAX_SPLITS_PAST_FILL || plan->wave < 1 ||
+                                plan->wave > SHRT_MAX || plan->merge != 2 || split_ctas > (1 << 26))))
+    return KD_ERR_ARGUMENT;  // not a plan kd_verify_plan_make made
   const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
   if (misaligned(q) || misaligned(kv_cache) || misaligned(out) || misaligned(partial_out)) return KD_ERR_ARGUMENT;
   const kd::DeviceFacts* d = nullptr;
@@ -187,6 +193,8 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
   p.D = plan->D; p.H = plan->H; p.R = plan->D * plan->H;
   p.page_size = plan->page_size; p.num_pages = num_pages; p.max_pages = plan->max_pages;
   p.num_splits = plan->num_splits;
+  p.split_base = (short)plan->split_base;
+  p.split_wave = (short)plan->wave;
   p.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __builtin_ctz((unsigned)p.page_size) : -1;
   p.scale_log2 = scale * kd::LOG2E;
   p.out = static_cast<__nv_bfloat16*>(out);

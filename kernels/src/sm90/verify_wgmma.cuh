@@ -205,11 +205,14 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
 
 // COPY: COPY_CP_ASYNC, COPY_TMA (page slabs) or COPY_RUNS (TMA or cp.async tile by tile).
 // MERGE (COPY_TMA or COPY_RUNS): the splits of a row tile are one cluster (1 x num_splits)
-// and merge in it; no other launch has clusters.
-template <int COPY, bool MERGE>
+// and merge in it; no other launch has clusters. PER_REQUEST (not MERGE): each request takes
+// its own split count (plans with split_base > 0); a separate build so that other plans run
+// the kernel without it.
+template <int COPY, bool MERGE, bool PER_REQUEST>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
   static_assert(!MERGE || COPY != COPY_CP_ASYNC, "the merge runs on the TMA paths");
+  static_assert(!(MERGE && PER_REQUEST), "clusters merge every split, full or empty");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool TMA = COPY != COPY_CP_ASYNC;  // the mbarrier pipeline (RUNS included)
   constexpr bool RUNS = COPY == COPY_RUNS;
@@ -226,13 +229,22 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const uint32_t bar_full = smem_addr(sM + ROWS);
 
   const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
+  SplitKeys ks_early{};  // PER_REQUEST: this split's keys, known before the prologue
+  if constexpr (PER_REQUEST) {
+    ks_early = split_keys<true>(p, b, split, KEYS);
+    if (ks_early.ntiles == 0) {  // a short request's later split: only its LSEs
+      write_empty_split(p, b, split, m0, ROWS);
+      return;
+    }
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   if (tid == 0) { VSTAMP(0, gtimer()); VSTAMP(1, clock64()); }
   const int wg = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
   const int32_t* table = request_table(p, b);
-  const SplitKeys ks = split_keys(p, b, split, KEYS);  // this split's keys, in whole tiles
+  // This split's keys, in whole tiles.
+  const SplitKeys ks = PER_REQUEST ? ks_early : split_keys<false>(p, b, split, KEYS);
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
@@ -520,9 +532,9 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 
 // The launch of path (COPY, MERGE) over `grid`: clusters of all splits of a row tile
 // (MERGE), else none. `attr` holds the cluster shape.
-template <int COPY, bool MERGE>
+template <int COPY, bool MERGE, bool PER_REQUEST>
 cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, cudaLaunchConfig_t* cfg) {
-  const cudaError_t e = configure_once<verify_attention_wgmma_kernel<COPY, MERGE>>((int)SMEM_BYTES);
+  const cudaError_t e = configure_once<verify_attention_wgmma_kernel<COPY, MERGE, PER_REQUEST>>((int)SMEM_BYTES);
   *cfg = {};
   cfg->gridDim = grid;
   cfg->blockDim = dim3(THREADS);
@@ -537,14 +549,25 @@ cudaError_t path_config(dim3 grid, cudaStream_t st, cudaLaunchAttribute* attr, c
   return e;
 }
 
-// Launches path (COPY, MERGE). Each instantiation sits in its own source file.
-template <int COPY, bool MERGE>
-int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
+// Launches path (COPY, MERGE), with per-request splits where the plan has them.
+template <int COPY, bool MERGE, bool PER_REQUEST>
+int launch_wgmma_as(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  cudaError_t e = path_config<COPY, MERGE>(dim3(ceil_div(p.R, ROWS), p.num_splits, B), st, &attr, &cfg);
-  if (e == cudaSuccess) e = cudaLaunchKernelEx(&cfg, verify_attention_wgmma_kernel<COPY, MERGE>, p, tmap);
+  cudaError_t e =
+      path_config<COPY, MERGE, PER_REQUEST>(dim3(ceil_div(p.R, ROWS), p.num_splits, B), st, &attr, &cfg);
+  if (e == cudaSuccess)
+    e = cudaLaunchKernelEx(&cfg, verify_attention_wgmma_kernel<COPY, MERGE, PER_REQUEST>, p, tmap);
   return (int)e;
+}
+
+// Each instantiation sits in its own source file. The plan never merges per-request splits.
+template <int COPY, bool MERGE>
+int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
+  if constexpr (!MERGE) {
+    if (p.split_base > 0) return launch_wgmma_as<COPY, false, true>(p, tmap, B, st);
+  }
+  return launch_wgmma_as<COPY, MERGE, false>(p, tmap, B, st);
 }
 
 // Clusters of `splits` CTAs of the merging path COPY resident at once on this device: they
@@ -553,8 +576,9 @@ template <int COPY>
 int merge_clusters_resident(int splits, int* clusters) {
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
-  cudaError_t e = path_config<COPY, true>(dim3(1, splits, 1), nullptr, &attr, &cfg);
-  if (e == cudaSuccess) e = cudaOccupancyMaxActiveClusters(clusters, verify_attention_wgmma_kernel<COPY, true>, &cfg);
+  cudaError_t e = path_config<COPY, true, false>(dim3(1, splits, 1), nullptr, &attr, &cfg);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveClusters(clusters, verify_attention_wgmma_kernel<COPY, true, false>, &cfg);
   return (int)e;
 }
 
