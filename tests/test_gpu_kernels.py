@@ -956,12 +956,13 @@ def test_verify_held_combines_on_concurrent_streams(ops):
     assert not failures, failures
 
 
-@pytest.mark.parametrize("kernel,page", [("auto", 64), ("mma_sync", 64), ("wgmma_cp_async", 64)])
+@pytest.mark.parametrize("kernel,page", [("auto", 64), ("mma_sync", 64), ("wgmma_cp_async", 64), ("auto", 1)])
 def test_verify_splits_follow_each_request_length(ops, kernel, page):
     """A per-request plan for long requests whose count passes the one-wave fill (B 16, H 8,
     D 65 over 32k keys: 144 row tiles) gives each request the count of its own length: short
     ones leave later splits empty, which write only their LSEs and which the combine must
-    weigh 0. The workspace is poisoned with NaN first, so a split that wrote nothing shows."""
+    weigh 0. The workspace is poisoned with NaN first, so a split that wrote nothing shows.
+    Page size 1 is the SGLang drop-in's (the TMA runs path)."""
     prefixes = [0, 1, 63, 64, 100, 700, 1500, 2100, 4000, 6000, 9000, 12000, 17000, 25000, 30000, 32768]
     case = paged_case(prefixes, 65, 8, page, seed=77, device=DEV)
     B, D, H = 16, 65, 8

@@ -316,25 +316,19 @@ def test_builder_buffer_holds_every_field_once(D):
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
 
 
-@pytest.mark.parametrize("split_base", [0, 1, 3])
-def test_verify_attention_keeps_the_fill_for_a_context_wide_table(monkeypatch, split_base):
+def test_verify_attention_plans_per_request_splits(monkeypatch):
     """VerifyAttention plans for max_seq_len, SGLang's context length, not the batch's lengths:
-    where the library's count passes one wave's fill (split_base > 0, chosen for max_seq_len's
-    keys), it runs the fill, so short requests keep splits of many keys; only the plan that
-    runs holds a workspace."""
+    its one plan asks for per-request split counts, so that short requests keep splits of many
+    keys (a count for the context would cut theirs into a few keys each)."""
     from kdtree.sglang import attention
 
     made = []
 
     class FakePlan:
-        def __init__(self, B, D, H, page_size, max_pages, *, device=None, kernel="auto", num_splits=None,
-                     per_request_splits=False, own_workspace=True):
-            made.append((num_splits, per_request_splits, own_workspace))
+        def __init__(self, *args, **kw):
+            made.append((args, kw))
             self.device = torch.device("cpu")
-            self.split_base = split_base if num_splits is None else 0
-            self.num_splits = num_splits or (11 if split_base else 4)
 
     monkeypatch.setattr(attention.ops, "TreeVerifyPlan", FakePlan)
-    va = sglang.VerifyAttention(16, 65, 8, 131072, device="cpu")
-    assert made == [(None, True, False), (split_base or 4, False, True)]
-    assert va.plan.num_splits == (split_base if split_base else 4)
+    sglang.VerifyAttention(16, 65, 8, 131072, device="cpu")
+    assert made == [((16, 65, 8, 1, 131072), dict(device="cpu", kernel="auto", per_request_splits=True))]

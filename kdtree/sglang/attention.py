@@ -18,15 +18,11 @@ class VerifyAttention:
     def __init__(self, bs: int, q: int, num_heads: int, max_seq_len: int, device="cuda", kernel: str = "auto"):
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < q:
             raise InputError(f"max_seq_len: expected an integer >= q = {q}, got {max_seq_len!r}")
-        # max_seq_len bounds the requests (SGLang passes its context length), so a split count
-        # chosen for it (past one wave's fill) would give short requests splits of a few keys
-        # each: keep the fill (docs/kernels/verify_attention.md, v21). The first plan only asks
-        # the rule for the fill (split_base, per-request plans report it; no workspace); the
-        # second, forced, is the one that runs.
-        rule = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel,
-                                  per_request_splits=True, own_workspace=False)
+        # max_seq_len bounds the requests (SGLang passes its context length), so each request
+        # takes the split count of its own length: one count for the context would give short
+        # requests splits of a few keys each.
         self.plan = ops.TreeVerifyPlan(bs, q, num_heads, 1, max_seq_len, device=device, kernel=kernel,
-                                       num_splits=rule.split_base or rule.num_splits)
+                                       per_request_splits=True)
         self.bs, self.q, self.num_heads, self.max_seq_len = bs, q, num_heads, max_seq_len
         self._seq = torch.empty(bs, dtype=torch.int32, device=self.plan.device)
         self._rows_copy = torch.empty(bs, dtype=torch.int32, device=self.plan.device)
