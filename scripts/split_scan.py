@@ -50,8 +50,8 @@ def main():
                     specs = [(None, False)] + [(s, False) for s in args.splits]
                     specs += [(None, True)] if args.per_request else []
                     for s, per_request in specs:
-                        kw = dict(per_request_splits=True) if per_request else {}
-                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s, **kw)
+                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s,
+                                                  per_request_splits=per_request)
                         out = plan.run(q, cache, table, seq, vis, 0.130861)
                         next_cache = rotation(caches)
                         fn = lambda: plan.run(q, next_cache(), table, seq, vis, 0.130861, out=out)
@@ -59,7 +59,7 @@ def main():
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
                                          plan_keys=table.shape[1] * args.page, forced=s or 0,
                                          per_request=per_request, num_splits=plan.num_splits,
-                                         split_base=getattr(plan, "split_base", 0), kernel=plan.name,
+                                         split_base=plan.split_base, kernel=plan.name,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),
                                          copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9), **t))
                         print(rows[-1]["heads"], D, P, B, s, per_request, plan.num_splits, plan.name,
