@@ -961,8 +961,10 @@ def test_verify_splits_follow_each_request_length(ops, kernel, page):
     """A per-request plan for long requests whose count passes the one-wave fill (B 16, H 8,
     D 65 over 32k keys: 144 row tiles) gives each request the count of its own length: short
     ones leave later splits empty, which write only their LSEs and which the combine must
-    weigh 0. The workspace is poisoned with NaN first, so a split that wrote nothing shows.
-    Page size 1 is the SGLang drop-in's (the TMA runs path)."""
+    weigh 0; one whose split 0 holds all its keys writes out and lse itself, and the combine
+    must leave its rows (its empty splits' LSEs are +inf). The workspace is poisoned with NaN
+    first, so a split that wrote nothing shows. Page size 1 is the SGLang drop-in's (the TMA
+    runs path)."""
     prefixes = [0, 1, 63, 64, 100, 700, 1500, 2100, 4000, 6000, 9000, 12000, 17000, 25000, 30000, 32768]
     case = paged_case(prefixes, 65, 8, page, seed=77, device=DEV)
     B, D, H = 16, 65, 8
@@ -970,7 +972,8 @@ def test_verify_splits_follow_each_request_length(ops, kernel, page):
     table = torch.zeros(B, pages + 3, dtype=torch.int32, device=DEV)  # wider than any request
     table[:, :case.block_table.shape[1]] = case.block_table
     plan = ops.TreeVerifyPlan(B, D, H, page, table.shape[1], kernel=kernel, per_request_splits=True)
-    if torch.cuda.get_device_properties(0).multi_processor_count == 132 and kernel != "mma_sync":
+    past_fill = torch.cuda.get_device_properties(0).multi_processor_count == 132 and kernel != "mma_sync"
+    if past_fill:
         assert plan.split_base == 1 and plan.num_splits > 1, plan
     for t in plan.workspace:
         if t is not None:
@@ -983,6 +986,9 @@ def test_verify_splits_follow_each_request_length(ops, kernel, page):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert float((out.double() - ref_o).norm() / ref_o.norm()) <= 5e-3
     assert (lse.double() - ref_l).abs().max() <= 1e-3
+    if past_fill:  # both forms ran: the shortest request wrote its own rows, the longest merged
+        split1 = plan.workspace[1][:, 1]  # [B, R]: split 1's LSEs
+        assert torch.isposinf(split1[0]).all() and torch.isfinite(split1[-1]).all()
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])

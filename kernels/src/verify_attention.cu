@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   if constexpr (PER_REQUEST) {
     if (ntiles == 0) {  // a short request's later split: only its LSEs
-      write_empty_split(p, b, split, m0, ROWS);
+      write_empty_split(p, b, split, m0, ROWS, ks.alone);
       return;
     }
   }
@@ -245,7 +245,8 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   pair_barrier(pair);
 
   const float l[2] = {sSum[qrow + g] + sSum[ROWS + qrow + g], sSum[qrow + g + 8] + sSum[ROWS + qrow + g + 8]};
-  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0, o_at);
+  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0,
+             writes_output<PER_REQUEST>(p, k_begin, k_end, P), o_at);
 }
 
 }  // namespace

@@ -38,7 +38,8 @@ __device__ __forceinline__ void fma4(float4& a, float w, uint2 u) {
 constexpr int ROW_PRE = 8;
 
 // SPARSE (plans whose requests take their own counts, split_base > 0): a short request's
-// later splits hold no keys, so the LSEs are read first and only live splits' rows loaded.
+// later splits hold no keys, so the LSEs are read first and only live splits' rows loaded;
+// a request whose split 0 held every key wrote its own rows (its empty splits' LSEs +inf).
 template <bool SPARSE>
 __global__ void __launch_bounds__(32 * WARPS)
 combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
@@ -58,6 +59,7 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
   uint32_t live = ~0u;  // splits whose rows are loaded
   if constexpr (SPARSE) {
     my_lse = lane < num_splits ? part_lse[base + (size_t)lane * R] : -INFINITY;
+    if (__any_sync(0xffffffffu, my_lse == INFINITY)) return;
     live = __ballot_sync(0xffffffffu, my_lse != -INFINITY);
   }
   uint4 pre[ROW_PRE];

@@ -132,9 +132,11 @@ static __device__ __noinline__ int request_splits(int split_base, int num_splits
 }
 
 // Request b's keys for one split: whole tiles of `keys`, the prefix length P (tree slots sit
-// at positions P .. seq-1) and [begin, end) with its tile count.
+// at positions P .. seq-1) and [begin, end) with its tile count. `alone`: split 0 holds every
+// key of the request, though the plan launched more splits (PER_REQUEST only).
 struct SplitKeys {
   int P, begin, end, ntiles;
+  bool alone;
 };
 
 // PER_REQUEST (plans with split_base > 0, kernels built for them): request_splits' count.
@@ -152,6 +154,7 @@ __device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, int b, in
   r.begin = split * tiles_per * keys;
   r.end = min(seq, r.begin + tiles_per * keys);
   r.ntiles = r.end > r.begin ? ceil_div(r.end - r.begin, keys) : 0;
+  r.alone = PER_REQUEST && tiles > 0 && tiles_per >= tiles;
   return r;
 }
 
@@ -186,17 +189,27 @@ __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
 
 // A split that holds none of request b's keys (a short request under a plan's count, or a
 // ragged batch): the combine weighs its rows 0 by their LSE and never uses their O, so the
-// CTA writes only the LSEs of its `rows` rows from m0 and leaves.
-__device__ __forceinline__ void write_empty_split(const VerifyParams& p, int b, int split, int m0, int rows) {
+// CTA writes only the LSEs of its `rows` rows from m0 and leaves. `alone` (split 0 holds the
+// whole request and wrote out and lse itself): +inf, which tells the combine to leave the
+// rows alone (a split's own LSE is finite or -inf).
+__device__ __forceinline__ void write_empty_split(const VerifyParams& p, int b, int split, int m0, int rows,
+                                                  bool alone) {
   for (int r = threadIdx.x; r < rows && m0 + r < p.R; r += blockDim.x)
-    p.part_lse[((size_t)b * p.num_splits + split) * p.R + m0 + r] = -INFINITY;
+    p.part_lse[((size_t)b * p.num_splits + split) * p.R + m0 + r] = alone ? INFINITY : -INFINITY;
+}
+
+// Whether a split's rows are the request's output (out, lse) rather than partials: one split
+// in the plan, or (PER_REQUEST) split 0 holding every key of its request, seq = P + D.
+template <bool PER_REQUEST>
+__device__ __forceinline__ bool writes_output(const VerifyParams& p, int k_begin, int k_end, int P) {
+  return p.num_splits == 1 || (PER_REQUEST && k_begin == 0 && k_end == P + p.D);
 }
 
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value
 // columns col0 + 8j + 2t (+1) for j < 32, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
 // C-fragment order both kernels keep); l and m (log2 domain) per row. One split writes the
-// bf16 output and the LSE (lse_writer); several write their normalised O as bf16 partials
-// and their LSEs for the combine. Partials in bf16 (vLLM's paged attention v2 keeps its
+// bf16 output and the LSE (lse_writer; `whole`: writes_output); several write their
+// normalised O as bf16 partials and their LSEs for the combine. Partials in bf16 (vLLM's paged attention v2 keeps its
 // split outputs in the output dtype too): the combine's weights are convex, so a merged
 // element carries at most one more bf16 rounding of the partials it mixes, the size of the
 // rounding P already takes before PV; half the bytes of float32 for the stores and the
@@ -207,8 +220,7 @@ __device__ __forceinline__ void write_empty_split(const VerifyParams& p, int b, 
 template <class O>
 __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int split, int row0, int col0,
                                            int t, const float (&l)[2], const float (&m)[2],
-                                           bool lse_writer, O o) {
-  const bool whole = p.num_splits == 1;
+                                           bool lse_writer, bool whole, O o) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + 8 * h;

@@ -233,7 +233,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   if constexpr (PER_REQUEST) {
     ks_early = split_keys<true>(p, b, split, KEYS);
     if (ks_early.ntiles == 0) {  // a short request's later split: only its LSEs
-      write_empty_split(p, b, split, m0, ROWS);
+      write_empty_split(p, b, split, m0, ROWS, ks_early.alone);
       return;
     }
   }
@@ -247,6 +247,10 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const SplitKeys ks = PER_REQUEST ? ks_early : split_keys<false>(p, b, split, KEYS);
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
+  // PER_REQUEST: whether this split writes the request's output, kept to the epilogue in the
+  // last word of the barriers' float row (in a register it spilled).
+  int* const s_whole = reinterpret_cast<int*>(sM + 2 * ROWS) - 1;
+  if (PER_REQUEST && tid == 0) *s_whole = writes_output<true>(p, k_begin, k_end, P);
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
   // Page slabs: the producer looks the next tile's row up a tile ahead (next[0]), so the
   // table's round trip leaves the request's path (the `ahead` row of verify_plan.cu's table).
@@ -523,7 +527,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 
   const int r = rbase + g;
   const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
-  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, o_at);
+  const bool whole = PER_REQUEST ? *s_whole != 0 : writes_output<false>(p, k_begin, k_end, P);
+  write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, whole, o_at);
   if (tid == 0) { VSTAMP(46, clock64()); VSTAMP(47, gtimer()); }
 #else
   __trap();  // built without sm_90a: the host never launches this (KD_HAS_SM90A)
