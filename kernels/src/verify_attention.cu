@@ -94,7 +94,8 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   float* sMax = reinterpret_cast<float*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV + T::SMEM_P);
   float* sSum = sMax + 2 * ROWS;  // [half][row], exchanged once at the end
 
-  const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
+  using G = VerifyGrid<PER_REQUEST>;
+  const int m0 = blockIdx.x * ROWS, split = G::split(), b = G::request();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int pair = warp % SW, half = warp / SW;
@@ -278,7 +279,7 @@ template <class T, bool PER_REQUEST>
 int launch_as(const Params& p, int B, cudaStream_t st) {
   const cudaError_t e = configure_once<verify_attention_kernel<T, PER_REQUEST>>((int)T::SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
-  dim3 grid(ceil_div(p.R, T::ROWS), p.num_splits, B);
+  const dim3 grid = VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, T::ROWS), p.num_splits, B);
   verify_attention_kernel<T, PER_REQUEST><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);
   KD_LAUNCH_CHECK();
   return 0;

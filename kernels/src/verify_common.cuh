@@ -40,7 +40,8 @@ struct VerifyParams {
 #endif
 };
 // Profile builds (-DKD_VERIFY_PROFILE, kd_verify_profile_buffer): the wgmma kernel's CTAs of
-// row tile 0 of request 0 stamp clock64() at its phases (docs/kernels/verify_attention.md, v10).
+// row tile 0 of request 0 stamp clock64() at its phases (docs/kernels/verify_attention.md, v10);
+// in per-request launches (VerifyGrid) split 0 of each request does.
 #ifdef KD_VERIFY_PROFILE
 #define VSTAMP(i, v)                                                                   \
   do {                                                                                 \
@@ -139,14 +140,28 @@ struct SplitKeys {
   bool alone;
 };
 
+// A launch's CTA coordinates: row tile, split, request. Per-request launches order their grid
+// (row tiles, B, splits): every request's first split is scheduled before any later one, so
+// the short requests' empty splits run beside the last real CTAs, not between them.
+template <bool PER_REQUEST>
+struct VerifyGrid {
+  static dim3 dims(int row_tiles, int splits, int B) {
+    return PER_REQUEST ? dim3(row_tiles, B, splits) : dim3(row_tiles, splits, B);
+  }
+  static __device__ __forceinline__ int split() { return PER_REQUEST ? blockIdx.z : blockIdx.y; }
+  static __device__ __forceinline__ int request() { return PER_REQUEST ? blockIdx.y : blockIdx.z; }
+  static __device__ __forceinline__ int requests() { return PER_REQUEST ? gridDim.y : gridDim.z; }
+};
+
 // PER_REQUEST (plans with split_base > 0, kernels built for them): request_splits' count.
 template <bool PER_REQUEST>
 __device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, int b, int split, int keys) {
   const int seq = clamped_seq_len(p, b);
   const int tiles = ceil_div(seq, keys);
   // The plan's CTAs (row tiles x B) and rows are the grid's.
-  const int splits = PER_REQUEST ? request_splits(p.split_base, p.num_splits, gridDim.x * gridDim.z, p.split_wave,
-                                                  (long long)gridDim.z * p.R, tiles)
+  using G = VerifyGrid<PER_REQUEST>;
+  const int splits = PER_REQUEST ? request_splits(p.split_base, p.num_splits, gridDim.x * G::requests(),
+                                                  p.split_wave, (long long)G::requests() * p.R, tiles)
                                  : p.num_splits;
   const int tiles_per = ceil_div(tiles, splits);
   SplitKeys r;

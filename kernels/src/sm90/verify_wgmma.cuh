@@ -228,7 +228,8 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // No EMPTY barrier: warpgroup 1 refills a slot only after KV_FREE and its own PV wait.
   const uint32_t bar_full = smem_addr(sM + ROWS);
 
-  const int m0 = blockIdx.x * ROWS, split = blockIdx.y, b = blockIdx.z;
+  using G = VerifyGrid<PER_REQUEST>;
+  const int m0 = blockIdx.x * ROWS, split = G::split(), b = G::request();
   SplitKeys ks_early{};  // PER_REQUEST: this split's keys, known before the prologue
   if constexpr (PER_REQUEST) {
     ks_early = split_keys<true>(p, b, split, KEYS);
@@ -560,7 +561,8 @@ int launch_wgmma_as(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaS
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
   cudaError_t e =
-      path_config<COPY, MERGE, PER_REQUEST>(dim3(ceil_div(p.R, ROWS), p.num_splits, B), st, &attr, &cfg);
+      path_config<COPY, MERGE, PER_REQUEST>(VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, ROWS), p.num_splits, B),
+                                            st, &attr, &cfg);
   if (e == cudaSuccess)
     e = cudaLaunchKernelEx(&cfg, verify_attention_wgmma_kernel<COPY, MERGE, PER_REQUEST>, p, tmap);
   return (int)e;
