@@ -18,6 +18,7 @@ from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
 from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, floor_us, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import time_graph
+from kdtree.harness.workloads import widened_table
 from kdtree.reference.attention import attention_bytes
 
 
@@ -40,9 +41,7 @@ def main():
             for P in args.prefixes:
                 for B in args.batches:
                     q, cache, table, seq, vis = gpu_case(B, D, H, P, args.page, seed=B + D + H + P)
-                    width = -(-args.plan_keys // args.page)
-                    if width > table.shape[1]:
-                        table = torch.cat([table, table.new_zeros(B, width - table.shape[1])], dim=1)
+                    table = widened_table(table, -(-args.plan_keys // args.page))
                     copies = cache_copies(cache, cap=64)
                     caches = cache_set(cache, copies)
                     nbytes = attention_bytes(B, D, H, P)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from kdtree import ops, sglang
-from kdtree.harness.workloads import paged_case, stage_a_inputs
+from kdtree.harness.workloads import paged_case, stage_a_inputs, widened_table
 
 
 def main():
@@ -91,8 +91,7 @@ def main():
     for page in (64, 1):
         pr = paged_case([0, 1, 63, 64, 100, 700, 1500, 2100, 3000, 4000, 4500, 5000, 0, 9, 640, 64 * 40], 65, 8,
                         page, seed=8, device="cuda")
-        table = torch.zeros(16, -(-(32768 + 65) // page), dtype=torch.int32, device="cuda")
-        table[:, :pr.block_table.shape[1]] = pr.block_table
+        table = widened_table(pr.block_table, -(-(32768 + 65) // page))
         for path in ("auto", "mma_sync", "wgmma_cp_async"):
             plan = ops.TreeVerifyPlan(16, 65, 8, page, table.shape[1], kernel=path, per_request_splits=True)
             plan.run(pr.q, pr.kv_cache, table, pr.seq_lens, pr.visibility, 0.130861)

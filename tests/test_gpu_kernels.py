@@ -14,7 +14,7 @@ from kdtree.checks import NEG_INF_FLOOR, InputError
 from kdtree.reference.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
 from kdtree.harness.timing import capture_graph
 from kdtree.harness.workloads import (TREE_POISON, follow_targets, paged_case, poisoned_accept, poisoned_trees,
-                                      stage_a_inputs)
+                                      stage_a_inputs, widened_table)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -968,9 +968,7 @@ def test_verify_splits_follow_each_request_length(ops, kernel, page):
     prefixes = [0, 1, 63, 64, 100, 700, 1500, 2100, 4000, 6000, 9000, 12000, 17000, 25000, 30000, 32768]
     case = paged_case(prefixes, 65, 8, page, seed=77, device=DEV)
     B, D, H = 16, 65, 8
-    pages = -(-(32768 + D) // page)
-    table = torch.zeros(B, pages + 3, dtype=torch.int32, device=DEV)  # wider than any request
-    table[:, :case.block_table.shape[1]] = case.block_table
+    table = widened_table(case.block_table, -(-(32768 + D) // page) + 3)  # wider than any request
     plan = ops.TreeVerifyPlan(B, D, H, page, table.shape[1], kernel=kernel, per_request_splits=True)
     past_fill = torch.cuda.get_device_properties(0).multi_processor_count == 132 and kernel != "mma_sync"
     if past_fill:

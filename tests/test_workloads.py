@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kdtree.harness.workloads import (ACCEPT_POISON, MASK_POISON_BYTE, TREE_POISON, drafter_logits, page_order,
-                                      paged_case, poisoned_accept, poisoned_trees, stage_a_inputs)
+                                      paged_case, poisoned_accept, poisoned_trees, stage_a_inputs, widened_table)
 from kdtree.reference.tree import build_tree
 
 
@@ -77,6 +77,17 @@ def test_table_layouts():
     assert all(0.6 < s < 0.97 for s in steps["broken_runs"]), steps
     with pytest.raises(ValueError, match="layout: expected one of"):
         page_order([1], 0, "sorted", g)
+
+
+def test_widened_table_pads_with_page_zero():
+    """A table as wide as a server's context: the requests' pages first, then page 0; a
+    table already that wide comes back as it is."""
+    case = paged_case([100, 5], 3, 8, 16, seed=2)
+    wide = widened_table(case.block_table, 20)
+    assert wide.shape == (2, 20) and wide.dtype == torch.int32
+    assert torch.equal(wide[:, :case.block_table.shape[1]], case.block_table)
+    assert (wide[:, case.block_table.shape[1]:] == 0).all()
+    assert widened_table(case.block_table, 3) is case.block_table
 
 
 def test_timed_calls_read_every_cache_copy_equally():

@@ -148,6 +148,15 @@ def paged_case(prefix_lens, D: int, H: int, page_size: int, seed: int, visibilit
                      list(prefix_lens))
 
 
+def widened_table(block_table: torch.Tensor, pages: int) -> torch.Tensor:
+    """``block_table`` [B, n] padded with page 0 to ``pages`` columns (unchanged where n >=
+    pages): a table as wide as a server's context around shorter requests."""
+    extra = pages - block_table.shape[1]
+    if extra <= 0:
+        return block_table
+    return torch.cat([block_table, block_table.new_zeros(block_table.shape[0], extra)], dim=1)
+
+
 def random_visibility(B: int, D: int, g: torch.Generator) -> torch.Tensor:
     """Ancestor closure of random trees (parent of i drawn from 0..i-1, biased to recent nodes)."""
     vis = torch.zeros(B, D, D, dtype=torch.bool)
