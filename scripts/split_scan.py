@@ -1,6 +1,7 @@
 """Verify attention over forced split counts, beside the plan's own choice: the data behind
 the `splits` row of the dispatch table (kernels/src/verify_plan.cu). Graph replays over
-rotating cache copies (L2 cold), as the verify sweep times them; one Parquet row a point.
+rotating cache copies (L2 cold), as the verify sweep times them, every count of a shape in
+alternating replays (one clock for all); one Parquet row a point.
 
     python3 scripts/split_scan.py OUT.parquet [--heads 8 16] [--slots 1] [--prefixes 8192 32768]
 
@@ -17,7 +18,7 @@ import torch
 from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
 from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, floor_us, gpu_case, replay_inner, rotation
-from kdtree.harness.timing import time_graph
+from kdtree.harness.timing import ALTERNATING, time_graphs_alternating
 from kdtree.harness.workloads import widened_table
 from kdtree.reference.attention import attention_bytes
 
@@ -48,22 +49,28 @@ def main():
                     # (forced count or None, per-request counts)
                     specs = [(None, False)] + [(s, False) for s in args.splits]
                     specs += [(None, True)] if args.per_request else []
+                    plans, fns = [], []
                     for s, per_request in specs:
                         plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s,
                                                   per_request_splits=per_request)
                         out = plan.run(q, cache, table, seq, vis, 0.130861)
-                        next_cache = rotation(caches)
-                        fn = lambda: plan.run(q, next_cache(), table, seq, vis, 0.130861, out=out)
-                        t = time_graph(fn, replays=10, inner=replay_inner(copies, 3))
+                        plans.append(plan)
+                        fns.append(lambda plan=plan, out=out, next_cache=rotation(caches):
+                                   plan.run(q, next_cache(), table, seq, vis, 0.130861, out=out))
+                    # The specs' replays alternate (A B C, C B A, ...): at a power-capped shape the
+                    # first plan timed ran up to 9% fast when each was timed in turn (session 80).
+                    times = time_graphs_alternating(fns, replays=10, inner=replay_inner(copies, 3))
+                    for (s, per_request), plan, t in zip(specs, plans, times):
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
                                          plan_keys=table.shape[1] * args.page, forced=s or 0,
                                          per_request=per_request, num_splits=plan.num_splits,
                                          split_base=plan.split_base, kernel=plan.name,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),
-                                         copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9), **t))
+                                         copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9),
+                                         timing=ALTERNATING, **t))
                         print(rows[-1]["heads"], D, P, B, s, per_request, plan.num_splits, plan.name,
                               round(t["median_us"], 1), round(rows[-1]["copy_fraction"], 3), flush=True)
-                    q = cache = caches = table = seq = vis = None  # free the point before the next
+                    q = cache = caches = table = seq = vis = plans = fns = None  # free the point before the next
                     torch.cuda.empty_cache()
     pd.DataFrame(rows).to_parquet(args.out, index=False)
 
