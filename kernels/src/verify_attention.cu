@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 
   const float l[2] = {sSum[qrow + g] + sSum[ROWS + qrow + g], sSum[qrow + g + 8] + sSum[ROWS + qrow + g + 8]};
   write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0,
-             writes_output<PER_REQUEST>(p, k_begin, k_end, P), o_at);
+             writes_output(p, ks), o_at);
 }
 
 }  // namespace

@@ -195,6 +195,13 @@ int launch(dim3 grid, int static_smem, cudaStream_t st, int how, const DeviceFac
   return (int)launch_kernel(Kernel, grid, dim3(32 * WARPS), smem, st, KD_PDL && how != COMBINE_PLAIN, args...);
 }
 
+// The half-row combine of a plan, SPARSE for per-request plans (split_base > 0).
+template <bool SPARSE>
+int launch_half_rows(const VerifyParams& p, int B, dim3 grid, cudaStream_t st, int how, const DeviceFacts& d) {
+  return launch<combine_half_rows<SPARSE>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits,
+                                           2 * B * p.R, p.out, p.lse);
+}
+
 // The combine's grid: below ROW_SPLITS splits a warp per half row (WARPS a CTA), else a
 // CTA per quarter row.
 dim3 combine_grid(int B, int R, int num_splits) {
@@ -211,10 +218,8 @@ long long combine_ctas(int B, int R, int num_splits) {
 int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
   const dim3 grid = combine_grid(B, p.R, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? (p.split_base > 0 ? launch<combine_half_rows<true>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R,
-                                                             p.num_splits, 2 * B * p.R, p.out, p.lse)
-                          : launch<combine_half_rows<false>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R,
-                                                              p.num_splits, 2 * B * p.R, p.out, p.lse))
+      ? (p.split_base > 0 ? launch_half_rows<true>(p, B, grid, st, how, d)
+                          : launch_half_rows<false>(p, B, grid, st, how, d))
       : launch<combine_quarter_rows>(grid, (int)sizeof(QuarterShared), st, how, d, p.part_out, p.part_lse, p.R,
                                      p.num_splits, p.out, p.lse);
   if (rc) return rc;

@@ -213,11 +213,11 @@ __device__ __forceinline__ void write_empty_split(const VerifyParams& p, int b, 
     p.part_lse[((size_t)b * p.num_splits + split) * p.R + m0 + r] = alone ? INFINITY : -INFINITY;
 }
 
-// Whether a split's rows are the request's output (out, lse) rather than partials: one split
-// in the plan, or (PER_REQUEST) split 0 holding every key of its request, seq = P + D.
-template <bool PER_REQUEST>
-__device__ __forceinline__ bool writes_output(const VerifyParams& p, int k_begin, int k_end, int P) {
-  return p.num_splits == 1 || (PER_REQUEST && k_begin == 0 && k_end == P + p.D);
+// Whether a split with keys writes the request's output (out, lse) rather than partials: one
+// split in the plan, or (PER_REQUEST) the split holding every key of its request (ks.alone;
+// empty splits left before this, so only split 0 can).
+__device__ __forceinline__ bool writes_output(const VerifyParams& p, const SplitKeys& ks) {
+  return p.num_splits == 1 || ks.alone;
 }
 
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value

@@ -251,7 +251,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // PER_REQUEST: whether this split writes the request's output, kept to the epilogue in the
   // last word of the barriers' float row (in a register it spilled).
   int* const s_whole = reinterpret_cast<int*>(sM + 2 * ROWS) - 1;
-  if (PER_REQUEST && tid == 0) *s_whole = writes_output<true>(p, k_begin, k_end, P);
+  if (PER_REQUEST && tid == 0) *s_whole = writes_output(p, ks);
   const bool producer = TMA && tid == 4 * 32;  // warpgroup 1's first thread issues the TMA
   // Page slabs: the producer looks the next tile's row up a tile ahead (next[0]), so the
   // table's round trip leaves the request's path (the `ahead` row of verify_plan.cu's table).
@@ -528,7 +528,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
 
   const int r = rbase + g;
   const float l[2] = {sL[r], sL[r + 8]}, m[2] = {sM[r], sM[r + 8]};
-  const bool whole = PER_REQUEST ? *s_whole != 0 : writes_output<false>(p, k_begin, k_end, P);
+  const bool whole = PER_REQUEST ? *s_whole != 0 : writes_output(p, ks);
   write_rows(p, b, split, m0 + r, wg * 256, t, l, m, wg == 0 && t == 0, whole, o_at);
   if (tid == 0) { VSTAMP(46, clock64()); VSTAMP(47, gtimer()); }
 #else
