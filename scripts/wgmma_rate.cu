@@ -1,11 +1,11 @@
 // Cycles a wgmma step costs on this GPU when nothing else runs: the shapes and operand
-// sources the verify kernel's S and PV use, one or two warpgroups issuing, one CTA an SM on
-// every SM. A step's tensor work alone is 32 cycles for m64n64k16 and 128 for m64n256k16
-// (bf16, 2,048 FMAs a cycle an SM); what a loop of them takes above that is what the
-// hardware adds. Operands are zeros: the rate does not depend on the values. Last, what a
-// tile's softmax (the verify kernel's arithmetic on 64 x 64 scores) costs warpgroup 1 alone
-// and while warpgroup 0 keeps the tensor pipe busy (S's steps from shared memory or with A
-// from registers, or PV's), whole and without some of its parts.
+// sources the verify kernel's S and PV use, and m64n8k16 / m64n16k16 (a few rows as N), one
+// or two warpgroups issuing, one CTA an SM on every SM. A step's tensor work alone is 32
+// cycles for m64n64k16 and 128 for m64n256k16 (bf16, 2,048 FMAs a cycle an SM); what a loop
+// of them takes above that is what the hardware adds. Operands are zeros: the rate does not
+// depend on the values. Last, what a tile's softmax (the verify kernel's arithmetic on 64 x 64
+// scores) costs warpgroup 1 alone and while warpgroup 0 keeps the tensor pipe busy (S's steps
+// from shared memory or with A from registers, or PV's), whole and without some of its parts.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -I kernels/src -I kernels/include -o /tmp/wgmma_rate scripts/wgmma_rate.cu
 //   /tmp/wgmma_rate
@@ -33,8 +33,24 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
-enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG, SOFTMAX_ALONE, SOFTMAX_UNDER_S,
-            SOFTMAX_UNDER_S_RS, SOFTMAX_UNDER_PV };
+// m64nNk16 from shared memory for N = 8 and 16: a tile's few live rows taken as the wgmma's N
+// (S^T = K Q^T), the form a tail row tile of 8 or 16 rows would use.
+__device__ __forceinline__ void wgmma_m64n8k16(float (&d)[4], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, 1, 1, 1, 0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b));
+}
+__device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t a, uint64_t b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, 1, 1, 1, "
+      "0, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(a), "l"(b));
+}
+
+enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG, SS8_ONE_WG, SS8_FOUR_ACC, SS16_ONE_WG,
+            SOFTMAX_ALONE, SOFTMAX_UNDER_S, SOFTMAX_UNDER_S_RS, SOFTMAX_UNDER_PV };
 // Parts of the softmax kept (SOFTMAX modes): all, without P's shared-memory stores, without
 // the stores and the quad shuffles (exp2 and adds only).
 enum Parts { ALL, NO_STORES, NO_SHUFFLES };
@@ -75,16 +91,20 @@ __device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint3
 
 // The instruction a mode's issuing warpgroup loops over: S's step from shared memory, S's
 // step with A from registers, or PV's step.
-enum Step { S_SS, S_RS, PV_SS };
+enum Step { S_SS, S_RS, PV_SS, S8_SS, S8_FOUR, S16_SS };
 __host__ __device__ constexpr int step_of(int mode) {
-  return mode == RS64_ONE_WG || mode == SOFTMAX_UNDER_S_RS                         ? S_RS
+  return mode == SS8_ONE_WG                                                        ? S8_SS
+         : mode == SS8_FOUR_ACC                                                     ? S8_FOUR
+         : mode == SS16_ONE_WG                                                      ? S16_SS
+         : mode == RS64_ONE_WG || mode == SOFTMAX_UNDER_S_RS                         ? S_RS
          : mode == SS256_ONE_WG || mode == SS256_TWO_WG || mode == SOFTMAX_UNDER_PV ? PV_SS
                                                                                      : S_SS;
 }
 
 // `loops` loops of STEPS steps of kind STEP, each loop committed and waited for.
 template <int STEP>
-__device__ __forceinline__ void issue_steps(float (&d64)[32], float (&d256)[128], uint32_t a, uint32_t b,
+__device__ __forceinline__ void issue_steps(float (&d8)[4], float (&d16)[8], float (&d64)[32], float (&d256)[128],
+                                            uint32_t a, uint32_t b,
                                             const uint32_t (&frag)[4], int loops) {
   for (int it = 0; it < loops; ++it) {
     wgmma_fence();
@@ -94,6 +114,14 @@ __device__ __forceinline__ void issue_steps(float (&d64)[32], float (&d256)[128]
       if constexpr (STEP == PV_SS) {
         wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
                             sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
+      } else if constexpr (STEP == S8_SS) {
+        wgmma_m64n8k16(d8, sw128_desc(a + col * 8192 + step, 16, 1024), sw128_desc(b + col * 8192 + step, 16, 1024));
+      } else if constexpr (STEP == S8_FOUR) {  // four accumulators in turn: no step waits on the last
+        wgmma_m64n8k16(*reinterpret_cast<float(*)[4]>(d64 + 4 * (kk & 3)),
+                       sw128_desc(a + col * 8192 + step, 16, 1024), sw128_desc(b + col * 8192 + step, 16, 1024));
+      } else if constexpr (STEP == S16_SS) {
+        wgmma_m64n16k16(d16, sw128_desc(a + col * 8192 + step, 16, 1024),
+                        sw128_desc(b + col * 8192 + step, 16, 1024));
       } else if constexpr (STEP == S_RS) {
         wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
       } else {
@@ -121,7 +149,7 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
                               : (wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG);
   const bool timed = SOFTMAX ? wg == 1 : issues;
   const uint32_t a = base + wg * 73728, b = base + 2 * 73728;  // A per warpgroup, B shared
-  float d64[32] = {}, d256[128] = {};
+  float d8[4] = {}, d16[8] = {}, d64[32] = {}, d256[128] = {};
   const uint32_t frag[4] = {0u, 0u, 0u, 0u};
   float acc = 0.f;
   const long long t0 = clock64();
@@ -135,10 +163,12 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
       acc += softmax_tile<PARTS>(sc, 0.1887f, a, threadIdx.x & 31);  // its own A tile: not S's operands
     }
   } else if (issues) {
-    issue_steps<step_of(MODE)>(d64, d256, a, b, frag, SOFTMAX ? 10 * iters : iters);  // outlasts the softmaxes
+    issue_steps<step_of(MODE)>(d8, d16, d64, d256, a, b, frag, SOFTMAX ? 10 * iters : iters);  // outlasts the softmaxes
   }
   const long long t1 = clock64();
   float s = acc == -1.f ? 1.f : 0.f;
+  for (int i = 0; i < 4; ++i) s += d8[i];
+  for (int i = 0; i < 8; ++i) s += d16[i];
   for (int i = 0; i < 32; ++i) s += d64[i];
   for (int i = 0; i < 128; ++i) s += d256[i];
   if (s != 0.f) sink[threadIdx.x] = s;  // zeros in, zeros out (acc is never -1): keeps the loops
@@ -179,6 +209,9 @@ int main() {
   run<RS64_ONE_WG>("m64n64k16 RS, one warpgroup", sms, iters);
   run<SS256_ONE_WG>("m64n256k16 SS (B MN-major), one", sms, iters / 4);
   run<SS256_TWO_WG>("m64n256k16 SS (B MN-major), two", sms, iters / 4);
+  run<SS8_ONE_WG>("m64n8k16 SS, one warpgroup", sms, iters);
+  run<SS8_FOUR_ACC>("m64n8k16 SS, four accumulators", sms, iters);
+  run<SS16_ONE_WG>("m64n16k16 SS, one warpgroup", sms, iters);
   run<SOFTMAX_ALONE>("softmax of a tile, alone", sms, iters);
   run<SOFTMAX_UNDER_S>("softmax of a tile, under S", sms, iters);
   run<SOFTMAX_UNDER_S_RS>("softmax of a tile, under S (RS)", sms, iters);
