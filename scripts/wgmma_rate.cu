@@ -49,8 +49,8 @@ __device__ __forceinline__ void wgmma_m64n16k16(float (&d)[8], uint64_t a, uint6
       : "l"(a), "l"(b));
 }
 
-enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG, SS8_ONE_WG, SS8_FOUR_ACC, SS16_ONE_WG,
-            SOFTMAX_ALONE, SOFTMAX_UNDER_S, SOFTMAX_UNDER_S_RS, SOFTMAX_UNDER_PV };
+enum Mode { SS64_ONE_WG, SS64_TWO_WG, RS64_ONE_WG, SS256_ONE_WG, SS256_TWO_WG, SS8_ONE_WG, SS8_FOUR_ACC,
+            SS16_ONE_WG, SOFTMAX_ALONE, SOFTMAX_UNDER_S, SOFTMAX_UNDER_S_RS, SOFTMAX_UNDER_PV };
 // Parts of the softmax kept (SOFTMAX modes): all, without P's shared-memory stores, without
 // the stores and the quad shuffles (exp2 and adds only).
 enum Parts { ALL, NO_STORES, NO_SHUFFLES };
@@ -90,7 +90,8 @@ __device__ __forceinline__ float softmax_tile(float (&s)[32], float scale, uint3
 }
 
 // The instruction a mode's issuing warpgroup loops over: S's step from shared memory, S's
-// step with A from registers, or PV's step.
+// step with A from registers, PV's step, or S^T's steps with a few rows as N (m64n8k16 on one
+// accumulator or four in turn, m64n16k16).
 enum Step { S_SS, S_RS, PV_SS, S8_SS, S8_FOUR, S16_SS };
 __host__ __device__ constexpr int step_of(int mode) {
   return mode == SS8_ONE_WG                                                        ? S8_SS
@@ -101,32 +102,28 @@ __host__ __device__ constexpr int step_of(int mode) {
                                                                                      : S_SS;
 }
 
-// `loops` loops of STEPS steps of kind STEP, each loop committed and waited for.
+// `loops` loops of STEPS steps of kind STEP, each loop committed and waited for. The small-N
+// steps accumulate into the first words of d64.
 template <int STEP>
-__device__ __forceinline__ void issue_steps(float (&d8)[4], float (&d16)[8], float (&d64)[32], float (&d256)[128],
-                                            uint32_t a, uint32_t b,
+__device__ __forceinline__ void issue_steps(float (&d64)[32], float (&d256)[128], uint32_t a, uint32_t b,
                                             const uint32_t (&frag)[4], int loops) {
   for (int it = 0; it < loops; ++it) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < STEPS; ++kk) {
       const uint32_t col = kk >> 2, step = (kk & 3) * 32;
+      // S's operands (and S^T's: the same two tiles, A the keys): 16 columns of 64 rows each.
+      const uint64_t sa = sw128_desc(a + col * 8192 + step, 16, 1024), sb = sw128_desc(b + col * 8192 + step, 16, 1024);
       if constexpr (STEP == PV_SS) {
-        wgmma_m64n256k16_bt(d256, sw128_desc(a + col * 8192 + step, 16, 1024),
-                            sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
-      } else if constexpr (STEP == S8_SS) {
-        wgmma_m64n8k16(d8, sw128_desc(a + col * 8192 + step, 16, 1024), sw128_desc(b + col * 8192 + step, 16, 1024));
-      } else if constexpr (STEP == S8_FOUR) {  // four accumulators in turn: no step waits on the last
-        wgmma_m64n8k16(*reinterpret_cast<float(*)[4]>(d64 + 4 * (kk & 3)),
-                       sw128_desc(a + col * 8192 + step, 16, 1024), sw128_desc(b + col * 8192 + step, 16, 1024));
+        wgmma_m64n256k16_bt(d256, sa, sw128_desc(b + (kk & 3) * 16 * 128, 64 * 128, 1024));
+      } else if constexpr (STEP == S8_SS || STEP == S8_FOUR) {  // four in turn: no step waits on the last
+        wgmma_m64n8k16(*reinterpret_cast<float(*)[4]>(d64 + (STEP == S8_FOUR ? 4 * (kk & 3) : 0)), sa, sb);
       } else if constexpr (STEP == S16_SS) {
-        wgmma_m64n16k16(d16, sw128_desc(a + col * 8192 + step, 16, 1024),
-                        sw128_desc(b + col * 8192 + step, 16, 1024));
+        wgmma_m64n16k16(*reinterpret_cast<float(*)[8]>(d64), sa, sb);
       } else if constexpr (STEP == S_RS) {
-        wgmma_m64n64k16_rs(d64, frag, sw128_desc(b + col * 8192 + step, 16, 1024));
+        wgmma_m64n64k16_rs(d64, frag, sb);
       } else {
-        wgmma_m64n64k16(d64, sw128_desc(a + col * 8192 + step, 16, 1024),
-                        sw128_desc(b + col * 8192 + step, 16, 1024), 1);
+        wgmma_m64n64k16(d64, sa, sb, 1);
       }
     }
     wgmma_commit();
@@ -149,7 +146,7 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
                               : (wg == 0 || MODE == SS64_TWO_WG || MODE == SS256_TWO_WG);
   const bool timed = SOFTMAX ? wg == 1 : issues;
   const uint32_t a = base + wg * 73728, b = base + 2 * 73728;  // A per warpgroup, B shared
-  float d8[4] = {}, d16[8] = {}, d64[32] = {}, d256[128] = {};
+  float d64[32] = {}, d256[128] = {};
   const uint32_t frag[4] = {0u, 0u, 0u, 0u};
   float acc = 0.f;
   const long long t0 = clock64();
@@ -163,12 +160,10 @@ __global__ void __launch_bounds__(256, 1) rate(long long* cycles, float* sink, i
       acc += softmax_tile<PARTS>(sc, 0.1887f, a, threadIdx.x & 31);  // its own A tile: not S's operands
     }
   } else if (issues) {
-    issue_steps<step_of(MODE)>(d8, d16, d64, d256, a, b, frag, SOFTMAX ? 10 * iters : iters);  // outlasts the softmaxes
+    issue_steps<step_of(MODE)>(d64, d256, a, b, frag, SOFTMAX ? 10 * iters : iters);  // outlasts the softmaxes
   }
   const long long t1 = clock64();
   float s = acc == -1.f ? 1.f : 0.f;
-  for (int i = 0; i < 4; ++i) s += d8[i];
-  for (int i = 0; i < 8; ++i) s += d16[i];
   for (int i = 0; i < 32; ++i) s += d64[i];
   for (int i = 0; i < 128; ++i) s += d256[i];
   if (s != 0.f) sink[threadIdx.x] = s;  // zeros in, zeros out (acc is never -1): keeps the loops
