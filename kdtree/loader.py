@@ -22,7 +22,7 @@ import sys
 
 from .build import DEFAULT_ARCHS, LIB_NAME, build, source_hash
 
-ABI_VERSION = 12  # KD_ABI_VERSION in kernels/include/kdtree.h
+ABI_VERSION = 13  # KD_ABI_VERSION in kernels/include/kdtree.h
 PACKAGED_LIB = pathlib.Path(__file__).resolve().parent / "_lib" / LIB_NAME
 
 _P = ctypes.c_void_p
@@ -43,7 +43,7 @@ class KdVerifyPlan(ctypes.Structure):
     _fields_ = [(name, _I) for name in (
         "B", "D", "H", "page_size", "max_pages", "path", "device",
         "kernel", "copy", "rows_per_cta", "keys_per_tile", "num_splits", "merge", "small_launch", "combine",
-        "wave", "split_base")]
+        "wave", "split_base", "tail")]
 
 
 # name -> (argtypes); every entry returns int but those in _RESTYPE. The one place the Python

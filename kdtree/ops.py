@@ -442,8 +442,11 @@ class TreeVerifyPlan:
     an integer forces every request to it. ``per_request_splits`` (with ``num_splits`` None):
     each request takes the library's count for its own keys (``split_base`` > 0 where that
     differs from one count for all), for block tables much wider than their requests, as a
-    server's context length makes them; requests as long as the table pay a few percent. A
-    plan's workspace serves one launch at a time (one stream).
+    server's context length makes them; requests as long as the table pay a few percent.
+    Where ``D * H`` leaves the last row tile part full (SGLang's ``D = budget + 1``) and the
+    other row tiles fill the GPU's waves, only that last row tile is split (``tail``: the others
+    take one split each and write their rows). A plan's workspace serves one launch at a time
+    (one stream).
     """
 
     def __init__(self, B: int, D: int, H: int, page_size: int, max_pages: int, *, device=None,
@@ -469,7 +472,7 @@ class TreeVerifyPlan:
         self.B, self.D, self.H, self.page_size, self.max_pages = B, D, H, page_size, max_pages
         self.kernel = _KERNEL_NAMES[pl.kernel]
         self.copy = _COPY_NAMES[pl.copy] if pl.kernel == 1 else "cp_async"
-        self.num_splits, self.split_base = pl.num_splits, pl.split_base
+        self.num_splits, self.split_base, self.tail = pl.num_splits, pl.split_base, bool(pl.tail)
         self.merge = _MERGE_NAMES[pl.merge]
         self.combine = _COMBINE_NAMES[pl.combine] if self.merge == "combine_kernel" else None
         self.rows_per_cta, self.keys_per_tile = pl.rows_per_cta, pl.keys_per_tile
@@ -480,7 +483,7 @@ class TreeVerifyPlan:
     def __repr__(self):
         return (f"TreeVerifyPlan(B={self.B}, D={self.D}, H={self.H}, page_size={self.page_size}, "
                 f"max_pages={self.max_pages}: kernel={self.kernel}, copy={self.copy}, "
-                f"num_splits={self.num_splits}, split_base={self.split_base}, merge={self.merge}, "
+                f"num_splits={self.num_splits}, split_base={self.split_base}, tail={self.tail}, merge={self.merge}, "
                 f"combine={self.combine})")
 
     @property

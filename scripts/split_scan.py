@@ -64,7 +64,8 @@ def main():
                         rows.append(dict(heads=H, D=D, prefix=P, batch=B, page_size=args.page,
                                          plan_keys=table.shape[1] * args.page, forced=s or 0,
                                          per_request=per_request, num_splits=plan.num_splits,
-                                         split_base=plan.split_base, kernel=plan.name,
+                                         split_base=plan.split_base, tail=getattr(plan, "tail", False),
+                                         kernel=plan.name,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),
                                          copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9),
                                          timing=ALTERNATING, **t))

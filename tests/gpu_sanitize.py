@@ -85,16 +85,18 @@ def main():
         for path, splits in (("auto", 1), ("auto", 2), ("auto", 3), ("wgmma_cp_async", 1)):
             ops.tree_verify(ones.q, ones.kv_cache, ones.block_table, ones.seq_lens, ones.visibility, 0.130861,
                             kernel=path, num_splits=splits)
-    # Per-request split counts (the SGLang drop-in's plans): B 16, H 8, D 65 under tables of
-    # 32k keys, ragged requests of 0-5000 keys, so most splits are empty; page 64 (TMA) and 1
-    # (runs), each kernel.
-    for page in (64, 1):
-        pr = paged_case([0, 1, 63, 64, 100, 700, 1500, 2100, 3000, 4000, 4500, 5000, 0, 9, 640, 64 * 40], 65, 8,
-                        page, seed=8, device="cuda")
-        table = widened_table(pr.block_table, -(-(32768 + 65) // page))
-        for path in ("auto", "mma_sync", "wgmma_cp_async"):
-            plan = ops.TreeVerifyPlan(16, 65, 8, page, table.shape[1], kernel=path, per_request_splits=True)
-            plan.run(pr.q, pr.kv_cache, table, pr.seq_lens, pr.visibility, 0.130861)
+    # Per-request split counts (the SGLang drop-in's plans): B 16, H 8 under tables of 32k
+    # keys, ragged requests of 0-5000 keys, so most splits are empty; D 65 (on 132 SMs the last
+    # row tile alone is split: tail) and D 64 (every row tile); page 64 (TMA) and 1 (runs),
+    # each kernel.
+    for D in (65, 64):
+        for page in (64, 1):
+            pr = paged_case([0, 1, 63, 64, 100, 700, 1500, 2100, 3000, 4000, 4500, 5000, 0, 9, 640, 64 * 40], D, 8,
+                            page, seed=8, device="cuda")
+            table = widened_table(pr.block_table, -(-(32768 + D) // page))
+            for path in ("auto", "mma_sync", "wgmma_cp_async"):
+                plan = ops.TreeVerifyPlan(16, D, 8, page, table.shape[1], kernel=path, per_request_splits=True)
+                plan.run(pr.q, pr.kv_cache, table, pr.seq_lens, pr.visibility, 0.130861)
     # SGLang's round (D 41, ragged budgets, prefixes 0-200): the padded layout, the custom
     # mask into a buffer sized for the largest prefix, the accept outputs.
     rb = sglang.RoundBuilder(3, 40)

@@ -69,6 +69,11 @@ COVERED = {
     "scripts/verify_clock_probe.py": ("gpu", "the clock probe in docs/kernels/verify_attention.md (session 48), "
                                              "run on the H200"),
     "scripts/split_scan.py": ("gpu", "the split scan in docs/kernels/verify_attention.md, run on the H200"),
+    "scripts/tail_probe.py": ("gpu", "session 82's probe on an H100 (ab/run200.sh; docs/kernels/verify_attention.md, "
+                                     "v25)"),
+    "scripts/tail_probe.py OUT.parquet": ("gpu", "the entry above's form"),
+    "scripts/tail_schedule_sim.py": ("run", "test_the_gated_rule_is_never_slower_in_the_model "
+                                            "(tests/test_tail_schedule_sim.py)"),
     "scripts/split_scan.py --batches 1": ("gpu", "session 34's batch-1 scan in docs/kernels/verify_attention.md, "
                                                  "run on the H200"),
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "

@@ -843,12 +843,23 @@ def test_hopper_dispatches_to_wgmma(ops):
         # Per-request plans take counts from the fill (split_base) where the count passes it;
         # they never merge in clusters. Other plans: 0.
         per_request = lambda B, R, max_seq: plan(ops, B, R, max_seq=max_seq, per_request=True)
-        assert per_request(16, 65 * 8, 8192 + 128).split_base == 1
         assert per_request(8, 65 * 8, 8192 + 128).split_base == 1
         assert per_request(16, 257 * 8, 8192 + 320).split_base == 0
         assert plan(ops, 16, 65 * 8, max_seq=8192 + 128).split_base == 0
-        assert per_request(16, 65 * 8, 8192 + 128).num_splits == plan(ops, 16, 65 * 8, max_seq=8192 + 128).num_splits
-        assert per_request(16, 65 * 8, 2048 + 128).merge == "combine_kernel"
+        assert per_request(8, 65 * 8, 8192 + 128).num_splits == plan(ops, 8, 65 * 8, max_seq=8192 + 128).num_splits
+        # Only the last row tile split (tail) where it is part full and at least 8 other row
+        # tiles a request fill their waves (B 16, H 8, D 65: 128 CTAs on 132 SMs); not at B 8
+        # (64 CTAs), D 64 (no part-full tile), B 32, D 33 (4 other row tiles a request), in
+        # plans without per-request counts, or where one split pays (B 16, H 8, D 257: the 16
+        # last row tiles fit the 16 SMs the 512 others leave).
+        for max_seq in (2048 + 128, 8192 + 128, 131072):
+            tail = per_request(16, 65 * 8, max_seq)
+            assert tail.tail and tail.split_base == 0 and 2 <= tail.num_splits <= 16, tail
+            assert tail.merge == "combine_kernel"
+        assert not any(p.tail for p in (per_request(8, 65 * 8, 8192 + 128), per_request(16, 64 * 8, 8192 + 128),
+                                        per_request(32, 33 * 8, 32768 + 64),
+                                        plan(ops, 16, 65 * 8, max_seq=8192 + 128),
+                                        per_request(16, 257 * 8, 8192 + 320)))
     # Every split holds keys at max_seq: a split takes ceil(tiles / splits) tiles, and the
     # splits past the last tile are not launched.
     for B, R, max_seq in ((1, 8, 129 * 64), (1, 8, 513 * 64), (16, 8, 17 * 64), (1, 8, 1000), (1, 128, 8256)):
@@ -956,23 +967,27 @@ def test_verify_held_combines_on_concurrent_streams(ops):
     assert not failures, failures
 
 
+@pytest.mark.parametrize("B", [8, 16])
 @pytest.mark.parametrize("kernel,page", [("auto", 64), ("mma_sync", 64), ("wgmma_cp_async", 64), ("auto", 1)])
-def test_verify_splits_follow_each_request_length(ops, kernel, page):
-    """A per-request plan for long requests whose count passes the one-wave fill (B 16, H 8,
-    D 65 over 32k keys: 144 row tiles) gives each request the count of its own length: short
+def test_verify_splits_follow_each_request_length(ops, kernel, page, B):
+    """A per-request plan for long requests whose count passes the one-wave fill (H 8, D 65
+    over 32k keys; B 8: 72 row tiles) gives each request the count of its own length: short
     ones leave later splits empty, which write only their LSEs and which the combine must
     weigh 0; one whose split 0 holds all its keys writes out and lse itself, and the combine
-    must leave its rows (its empty splits' LSEs are +inf). The workspace is poisoned with NaN
-    first, so a split that wrote nothing shows. Page size 1 is the SGLang drop-in's (the TMA
-    runs path)."""
+    must leave its rows (its empty splits' LSEs are +inf). At B 16 (144 row tiles, the last
+    of each request 8 rows, the other 128 one wave) only the last row tile takes per-request
+    counts (tail): the others take one split and write their rows, the combine only the last
+    tile's. The workspace is poisoned with NaN first, so a split that wrote nothing shows.
+    Page size 1 is the SGLang drop-in's (the TMA runs path)."""
     prefixes = [0, 1, 63, 64, 100, 700, 1500, 2100, 4000, 6000, 9000, 12000, 17000, 25000, 30000, 32768]
-    case = paged_case(prefixes, 65, 8, page, seed=77, device=DEV)
-    B, D, H = 16, 65, 8
+    prefixes = prefixes if B == 16 else prefixes[::2][:7] + [32768]
+    D, H = 65, 8
+    case = paged_case(prefixes, D, H, page, seed=77 + B, device=DEV)
     table = widened_table(case.block_table, -(-(32768 + D) // page) + 3)  # wider than any request
     plan = ops.TreeVerifyPlan(B, D, H, page, table.shape[1], kernel=kernel, per_request_splits=True)
     past_fill = torch.cuda.get_device_properties(0).multi_processor_count == 132 and kernel != "mma_sync"
     if past_fill:
-        assert plan.split_base == 1 and plan.num_splits > 1, plan
+        assert plan.num_splits > 1 and (plan.tail if B == 16 else plan.split_base == 1), plan
     for t in plan.workspace:
         if t is not None:
             t.fill_(float("nan"))
@@ -984,9 +999,13 @@ def test_verify_splits_follow_each_request_length(ops, kernel, page):
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert float((out.double() - ref_o).norm() / ref_o.norm()) <= 5e-3
     assert (lse.double() - ref_l).abs().max() <= 1e-3
-    if past_fill:  # both forms ran: the shortest request wrote its own rows, the longest merged
+    if past_fill:
         split1 = plan.workspace[1][:, 1]  # [B, R]: split 1's LSEs
-        assert torch.isposinf(split1[0]).all() and torch.isfinite(split1[-1]).all()
+        if B == 8:  # both forms ran: the shortest request wrote its own rows, the longest merged
+            assert torch.isposinf(split1[0]).all() and torch.isfinite(split1[-1]).all()
+        else:  # the main row tiles wrote no partials; the longest request's last row tile merged
+            main = D * H // 64 * 64
+            assert torch.isnan(split1[:, :main]).all() and torch.isfinite(split1[-1, main:]).all()
 
 
 @pytest.mark.parametrize("num_splits", [2, 7, 31, 32, 128])

@@ -359,6 +359,11 @@ def test_verify_attention_refuses_unaligned_vectors_before_any_cuda_call(lib_pat
         plan.split_base, plan.merge, plan.wave = base, merge, 132
         assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, ok, ok,
                                 None) == 1001, (base, merge)
+    # a tail no plan has: beside a base, merged in clusters, or not 0 / 1
+    for tail, base, merge in ((1, 1, 2), (1, 0, 1), (2, 0, 2), (-1, 0, 2)):
+        plan.tail, plan.split_base, plan.merge = tail, base, merge
+        assert so.kd_verify_run(ctypes.byref(plan), ok, ok, 10, ok, 4, None, ok, ok, 0, 0.13, ok, ok, ok, ok,
+                                None) == 1001, (tail, base, merge)
 
 
 @pytest.mark.parametrize("L", [16, 17, 40])

@@ -21,7 +21,7 @@ extern "C" {
 
 
 // The C ABI's version: the Python bindings refuse a library whose number differs.
-#define KD_ABI_VERSION 12
+#define KD_ABI_VERSION 13
 int kd_version(void);
 // A sentence for a code an entry point returned: CUDA's for a cudaError_t, kdtree's for a
 // KD_ERR_* code; never NULL, and callable without a GPU.
@@ -102,7 +102,10 @@ typedef struct kd_verify_plan {
   // passes the one-wave fill, split_base): num_splits is the count for max_pages, and a
   // request with fewer keys takes the count the plan's rule gives its own length, from
   // split_base up (its other splits hold no keys); 0: every request takes num_splits.
-  int wave, split_base;
+  // tail 1 (per_request plans where D * H leaves the last row tile part full and the other
+  // row tiles fill their waves): those take one split each and write their rows, the last
+  // row tile alone takes per-request counts of up to num_splits (split_base 0).
+  int wave, split_base, tail;
 } kd_verify_plan;
 
 // Plans a launch of B requests, D tree slots and H heads each, over block tables of

@@ -82,8 +82,8 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* tab
   }
 }
 
-// PER_REQUEST: each request takes its own split count (plans with split_base > 0); a
-// separate build so that other plans run the kernel without it.
+// PER_REQUEST: each request takes its own split count (plans with split_base != 0:
+// split_keys); a separate build so that other plans run the kernel without it.
 template <class T, bool PER_REQUEST>
 __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attention_kernel(Params p) {
   constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES;
@@ -94,8 +94,8 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   float* sMax = reinterpret_cast<float*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV + T::SMEM_P);
   float* sSum = sMax + 2 * ROWS;  // [half][row], exchanged once at the end
 
-  using G = VerifyGrid<PER_REQUEST>;
-  const int m0 = blockIdx.x * ROWS, split = G::split(), b = G::request();
+  const VerifyCta cta = VerifyGrid<PER_REQUEST>::at(p, ROWS);
+  const int m0 = cta.tile * ROWS, split = cta.split, b = cta.b;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int pair = warp % SW, half = warp / SW;
@@ -103,10 +103,10 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   const int col0 = half * 256;         // this warp's output columns
   const int key0 = half * 16;          // this warp's keys within a tile, for S
   const int32_t* table = request_table(p, b);
-  const SplitKeys ks = split_keys<PER_REQUEST>(p, b, split, KEYS);  // this split's keys, in whole tiles
+  const SplitKeys ks = split_keys<PER_REQUEST>(p, cta, KEYS, ROWS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   if constexpr (PER_REQUEST) {
-    if (ntiles == 0) {  // a short request's later split: only its LSEs
+    if (empty_split(cta, ks)) {  // a short request's later split: only its LSEs
       write_empty_split(p, b, split, m0, ROWS, ks.alone);
       return;
     }
@@ -279,7 +279,8 @@ template <class T, bool PER_REQUEST>
 int launch_as(const Params& p, int B, cudaStream_t st) {
   const cudaError_t e = configure_once<verify_attention_kernel<T, PER_REQUEST>>((int)T::SMEM_BYTES);
   if (e != cudaSuccess) return (int)e;
-  const dim3 grid = VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, T::ROWS), p.num_splits, B);
+  const dim3 grid = VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, T::ROWS), p.num_splits, B,
+                                                  p.split_base == TAIL_SPLITS);
   verify_attention_kernel<T, PER_REQUEST><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);
   KD_LAUNCH_CHECK();
   return 0;
@@ -287,7 +288,7 @@ int launch_as(const Params& p, int B, cudaStream_t st) {
 
 template <class T>
 int launch(const Params& p, int B, cudaStream_t st) {
-  return p.split_base > 0 ? launch_as<T, true>(p, B, st) : launch_as<T, false>(p, B, st);
+  return p.split_base != 0 ? launch_as<T, true>(p, B, st) : launch_as<T, false>(p, B, st);
 }
 
 }  // namespace

@@ -37,18 +37,22 @@ __device__ __forceinline__ void fma4(float4& a, float w, uint2 u) {
 // LSE reductions); 8 x 16 bytes a lane.
 constexpr int ROW_PRE = 8;
 
-// SPARSE (plans whose requests take their own counts, split_base > 0): a short request's
+// SPARSE (plans whose requests take their own counts, split_base != 0): a short request's
 // later splits hold no keys, so the LSEs are read first and only live splits' rows loaded;
 // a request whose split 0 held every key wrote its own rows (its empty splits' LSEs +inf).
+// Rows row0 .. R-1 of each request (`rows` of them; row0 > 0: the last row tile of a
+// TAIL_SPLITS plan, whose main row tiles wrote their own).
 template <bool SPARSE>
 __global__ void __launch_bounds__(32 * WARPS)
 combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __restrict__ part_lse, int R,
-                  int num_splits, int halves, __nv_bfloat16* __restrict__ out, float* __restrict__ lse) {
+                  int row0, int rows, int num_splits, int halves, __nv_bfloat16* __restrict__ out,
+                  float* __restrict__ lse) {
   const int lane = threadIdx.x & 31;
   const int w = blockIdx.x * WARPS + (threadIdx.x >> 5);
   if (w >= halves) return;  // whole warps only: the shuffles below need all 32 lanes
-  const int br = w >> 1, half = w & 1;  // br = b * R + row
-  const int b = br / R, row = br - b * R;
+  const int i = w >> 1, half = w & 1;  // i = b * rows + row - row0
+  const int b = i / rows, row = row0 + i - b * rows;
+  const size_t br = (size_t)b * R + row;  // the row in out and lse
   const size_t base = (size_t)b * num_splits * R + row;  // + s * R
   const int c = half * (V_DIM / 2) + lane * 8;
   const auto src = [&](int s) {
@@ -92,7 +96,7 @@ combine_half_rows(const __nv_bfloat16* __restrict__ part_out, const float* __res
   }
   const uint4 o = make_uint4(pack_bf16(a0.x * inv, a0.y * inv), pack_bf16(a0.z * inv, a0.w * inv),
                              pack_bf16(a1.x * inv, a1.y * inv), pack_bf16(a1.z * inv, a1.w * inv));
-  *reinterpret_cast<uint4*>(out + (size_t)br * V_DIM + c) = o;
+  *reinterpret_cast<uint4*>(out + br * V_DIM + c) = o;
   if (half == 0 && lane == 0) lse[br] = tot > 0.f ? m + logf(tot) : -INFINITY;
 }
 
@@ -195,11 +199,12 @@ int launch(dim3 grid, int static_smem, cudaStream_t st, int how, const DeviceFac
   return (int)launch_kernel(Kernel, grid, dim3(32 * WARPS), smem, st, KD_PDL && how != COMBINE_PLAIN, args...);
 }
 
-// The half-row combine of a plan, SPARSE for per-request plans (split_base > 0).
+// The half-row combine of a plan over rows row0 .. R-1, SPARSE for per-request plans.
 template <bool SPARSE>
-int launch_half_rows(const VerifyParams& p, int B, dim3 grid, cudaStream_t st, int how, const DeviceFacts& d) {
-  return launch<combine_half_rows<SPARSE>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R, p.num_splits,
-                                           2 * B * p.R, p.out, p.lse);
+int launch_half_rows(const VerifyParams& p, int B, int row0, dim3 grid, cudaStream_t st, int how,
+                     const DeviceFacts& d) {
+  return launch<combine_half_rows<SPARSE>>(grid, 0, st, how, d, p.part_out, p.part_lse, p.R, row0, p.R - row0,
+                                           p.num_splits, 2 * B * (p.R - row0), p.out, p.lse);
 }
 
 // The combine's grid: below ROW_SPLITS splits a warp per half row (WARPS a CTA), else a
@@ -215,11 +220,11 @@ long long combine_ctas(int B, int R, int num_splits) {
   return (long long)g.x * g.y * g.z;
 }
 
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d) {
-  const dim3 grid = combine_grid(B, p.R, p.num_splits);
+int launch_verify_combine(const VerifyParams& p, int B, int row0, cudaStream_t st, int how, const DeviceFacts& d) {
+  const dim3 grid = combine_grid(B, p.R - row0, p.num_splits);
   const int rc = p.num_splits < ROW_SPLITS
-      ? (p.split_base > 0 ? launch_half_rows<true>(p, B, grid, st, how, d)
-                          : launch_half_rows<false>(p, B, grid, st, how, d))
+      ? (p.split_base != 0 ? launch_half_rows<true>(p, B, row0, grid, st, how, d)
+                           : launch_half_rows<false>(p, B, row0, grid, st, how, d))
       : launch<combine_quarter_rows>(grid, (int)sizeof(QuarterShared), st, how, d, p.part_out, p.part_lse, p.R,
                                      p.num_splits, p.out, p.lse);
   if (rc) return rc;

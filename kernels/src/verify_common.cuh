@@ -22,8 +22,10 @@ struct VerifyParams {
   const int32_t* req_rows;     // request b's row of block_table (NULL: row b)
   int table_stride;
   // split_base > 0: a request takes request_splits' count of the num_splits (the plan's rule,
-  // split_wave CTAs a wave). 16 bits each, in table_stride's padding: past 128 bytes the
-  // struct changed the default kernels' code (docs/kernels/verify_attention.md, v22).
+  // split_wave CTAs a wave); TAIL_SPLITS (the plan's `tail`): the last row tile alone takes
+  // per-request counts, up to num_splits (VerifyGrid). 16 bits each, in table_stride's
+  // padding: past 128 bytes the struct changed the default kernels' code
+  // (docs/kernels/verify_attention.md, v22).
   short split_base, split_wave;
   const int32_t* seq_lens;
   const void* vis;
@@ -132,45 +134,119 @@ static __device__ __noinline__ int request_splits(int split_base, int num_splits
   return s;
 }
 
+// The cost of s splits for the last row tiles of a TAIL_SPLITS launch (each request's rows
+// past the last whole tile), its main row tiles taking one split each. A last row tile costs
+// what a whole one costs, so split finer it fills the SMs the main tiles' last wave leaves
+// idle. In split_cost's units: the main tiles' waves, the rounds of pieces left after those
+// that fit beside that wave, and the rows the combine merges.
+__host__ __device__ inline long long tail_split_cost(int main_ctas, int tail_ctas, int s, int wave,
+                                                     long long tail_rows, int tiles) {
+  const long long t_main = tiles + TURNAROUND_TILES;
+  const long long waves = ((long long)main_ctas + wave - 1) / wave;
+  const long long t_tail = (tiles + s - 1) / s + TURNAROUND_TILES;
+  const long long beside = (waves * wave - main_ctas) * (t_main / t_tail);
+  const long long pieces = (long long)tail_ctas * s;
+  const long long rest = pieces > beside ? pieces - beside : 0;
+  return (waves * t_main + (rest + wave - 1) / wave * t_tail) * COMBINE_ROWS_A_TILE + (s > 1 ? s * tail_rows : 0);
+}
+
+// The last row tile's count for a request of `tiles` key tiles: lane i weighs 1 + i, the warp
+// takes the least, ties to fewer. As request_splits: not inlined, scalars only; call with the
+// whole warp.
+static __device__ __noinline__ int request_tail_splits(int num_splits, int main_ctas, int tail_ctas, int wave,
+                                                       long long tail_rows, int tiles) {
+  int s = 1 + (int)(threadIdx.x & 31);
+  long long c = s <= num_splits ? tail_split_cost(main_ctas, tail_ctas, s, wave, tail_rows, tiles)
+                                : 0x7fffffffffffffffLL;
+  for (int o = 16; o > 0; o >>= 1) {
+    const long long oc = __shfl_xor_sync(0xffffffffu, c, o);
+    const int os = __shfl_xor_sync(0xffffffffu, s, o);
+    if (oc < c || (oc == c && os < s)) c = oc, s = os;
+  }
+  return s;
+}
+
 // Request b's keys for one split: whole tiles of `keys`, the prefix length P (tree slots sit
 // at positions P .. seq-1) and [begin, end) with its tile count. `alone`: split 0 holds every
-// key of the request, though the plan launched more splits (PER_REQUEST only).
+// key of the request, though the plan launched more splits, or (TAIL_SPLITS) the CTA is a
+// main row tile's only one (PER_REQUEST only).
 struct SplitKeys {
   int P, begin, end, ntiles;
   bool alone;
 };
 
-// A launch's CTA coordinates: row tile, split, request. Per-request launches order their grid
-// (row tiles, B, splits): every request's first split is scheduled before any later one, so
-// the short requests' empty splits run beside the last real CTAs, not between them.
-template <bool PER_REQUEST>
-struct VerifyGrid {
-  static dim3 dims(int row_tiles, int splits, int B) {
-    return PER_REQUEST ? dim3(row_tiles, B, splits) : dim3(row_tiles, splits, B);
-  }
-  static __device__ __forceinline__ int split() { return PER_REQUEST ? blockIdx.z : blockIdx.y; }
-  static __device__ __forceinline__ int request() { return PER_REQUEST ? blockIdx.y : blockIdx.z; }
-  static __device__ __forceinline__ int requests() { return PER_REQUEST ? gridDim.y : gridDim.z; }
+// split_base of a plan whose last row tile alone takes per-request counts (the plan's `tail`).
+constexpr short TAIL_SPLITS = -1;
+
+// A CTA's coordinates: its row tile, split and request, and the launch's requests.
+struct VerifyCta {
+  int tile, split, b, B;
 };
 
-// PER_REQUEST (plans with split_base > 0, kernels built for them): request_splits' count.
+// A launch's grid. Per-request launches order theirs (row tiles, B, splits): every request's
+// first split is scheduled before any later one, so the short requests' empty splits run
+// beside the last real CTAs, not between them. A TAIL_SPLITS launch is one line: every
+// request's main row tiles (all but the last; one split each) first, so that they start
+// together, then the last row tiles' splits (split-major): those fill the SMs the main tiles
+// leave idle and then the last round, and no main tile waits behind them.
 template <bool PER_REQUEST>
-__device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, int b, int split, int keys) {
-  const int seq = clamped_seq_len(p, b);
+struct VerifyGrid {
+  static dim3 dims(int row_tiles, int splits, int B, bool tail) {
+    if (tail) return dim3((row_tiles - 1 + splits) * B);
+    return PER_REQUEST ? dim3(row_tiles, B, splits) : dim3(row_tiles, splits, B);
+  }
+  static __device__ __forceinline__ VerifyCta at(const VerifyParams& p, int rows) {
+    if constexpr (PER_REQUEST) {
+      if (p.split_base == TAIL_SPLITS) {
+        const int main_tiles = ceil_div(p.R, rows) - 1;
+        const int B = gridDim.x / (main_tiles + p.num_splits), i = blockIdx.x, main_ctas = main_tiles * B;
+        if (i < main_ctas) return {i % main_tiles, 0, i / main_tiles, B};
+        return {main_tiles, (i - main_ctas) / B, (i - main_ctas) % B, B};
+      }
+      return {(int)blockIdx.x, (int)blockIdx.z, (int)blockIdx.y, (int)gridDim.y};
+    }
+    return {(int)blockIdx.x, (int)blockIdx.y, (int)blockIdx.z, (int)gridDim.z};
+  }
+};
+
+// PER_REQUEST (plans with split_base != 0, kernels built for them): request_splits' count for
+// the request's length; TAIL_SPLITS: one split for a main row tile, request_tail_splits' count
+// for the last. `rows`: a CTA's rows.
+template <bool PER_REQUEST>
+__device__ __forceinline__ SplitKeys split_keys(const VerifyParams& p, const VerifyCta& c, int keys, int rows) {
+  const int seq = clamped_seq_len(p, c.b);
   const int tiles = ceil_div(seq, keys);
-  // The plan's CTAs (row tiles x B) and rows are the grid's.
-  using G = VerifyGrid<PER_REQUEST>;
-  const int splits = PER_REQUEST ? request_splits(p.split_base, p.num_splits, gridDim.x * G::requests(),
-                                                  p.split_wave, (long long)G::requests() * p.R, tiles)
-                                 : p.num_splits;
+  int splits = p.num_splits;
+  bool main_tile = false;
+  if constexpr (PER_REQUEST) {
+    const int row_tiles = ceil_div(p.R, rows);
+    if (p.split_base == TAIL_SPLITS) {
+      const int main_ctas = (row_tiles - 1) * c.B, tail_rows = p.R - (row_tiles - 1) * rows;
+      main_tile = c.tile < row_tiles - 1;
+      splits = main_tile ? 1
+                         : request_tail_splits(p.num_splits, main_ctas, c.B, p.split_wave, (long long)c.B * tail_rows,
+                                               tiles);
+    } else {
+      // The plan's CTAs (row tiles x B) and rows are the grid's.
+      splits = request_splits(p.split_base, p.num_splits, row_tiles * c.B, p.split_wave, (long long)c.B * p.R,
+                              tiles);
+    }
+  }
   const int tiles_per = ceil_div(tiles, splits);
   SplitKeys r;
   r.P = seq - p.D;
-  r.begin = split * tiles_per * keys;
+  r.begin = c.split * tiles_per * keys;
   r.end = min(seq, r.begin + tiles_per * keys);
   r.ntiles = r.end > r.begin ? ceil_div(r.end - r.begin, keys) : 0;
-  r.alone = PER_REQUEST && tiles > 0 && tiles_per >= tiles;
+  r.alone = PER_REQUEST && ((tiles > 0 && tiles_per >= tiles) || main_tile);
   return r;
+}
+
+// Whether a PER_REQUEST CTA holds no keys to work on: it writes only its LSEs
+// (write_empty_split) and leaves. A main row tile's only split runs whatever its keys, so
+// its rows are written (no combine reads them).
+__device__ __forceinline__ bool empty_split(const VerifyCta& c, const SplitKeys& ks) {
+  return ks.ntiles == 0 && !(ks.alone && c.split == 0);
 }
 
 // Element offset of key `pos` of a request in the paged cache.
@@ -272,7 +348,8 @@ enum CombineLaunch {
   COMBINE_PROGRAMMATIC = 1,
   COMBINE_PROGRAMMATIC_HELD = 2,
 };
-int launch_verify_combine(const VerifyParams& p, int B, cudaStream_t st, int how, const DeviceFacts& d);
+// row0: the first row of each request it merges (TAIL_SPLITS plans: the last row tile's).
+int launch_verify_combine(const VerifyParams& p, int B, int row0, cudaStream_t st, int how, const DeviceFacts& d);
 long long combine_ctas(int B, int R, int num_splits);
 
 // The wgmma kernel's host side (sm90/verify_attention_wgmma.cu; built only with sm_90a):

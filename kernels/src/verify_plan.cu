@@ -19,6 +19,10 @@
 // |         | most tiles / (1 if <= 2 row tiles else 2), 1..128; then only those that   |
 // |         | hold keys at max_seq. per_request plans past the fill: each request takes |
 // |         | the rule's count for its own length in the kernel (fill up to the plan's) |
+// | tail    | per_request plans whose last row tile is part full, after at least 8      |
+// |         | others whose CTAs leave at most a sixth of their last wave idle: those    |
+// |         | take one split each and the last row tile alone per-request counts, up to |
+// |         | its count for max_seq (2..16), by the tail rule (tail_split_cost)         |
 // | merge   | 2 splits on a TMA path, >= 16 row tiles, clusters all resident: in the    |
 // |         | kernel; other splits: bf16 partials and the combine kernel                |
 // | combine | on 9.x a programmatic dependent: after mma.sync always; after wgmma where  |
@@ -100,6 +104,34 @@ SplitChoice choose_splits(int B, int R, int row_tiles, long long max_seq, int ke
   return {count, count > fill ? (int)fill : 0};
 }
 
+// The tail rule (the table's `tail` row): where the last of several row tiles holds a
+// remainder of rows and the main tiles, one split each, leave at most a sixth of their last
+// wave idle, the tail's count for max_seq's tiles (lane rule in the kernel: split_keys);
+// 0 where no tail split pays (count 1) or the rule does not apply. Elsewhere the uniform rule
+// balances the waves better: a main tile that must wait for an SM runs a whole request late.
+// A request's last row tile reads its keys apart from its main tiles, which share theirs in
+// L2 as they run together: with fewer than TAIL_MIN_MAIN_TILES main tiles that extra traffic
+// cost more than the balance bought at long requests (H100, B 32, H 8, D 33, P 32k: 1.045x).
+constexpr int TAIL_MIN_MAIN_TILES = 8;
+int choose_tail_splits(int B, int R, int rows, int row_tiles, long long max_seq, int keys, int wave) {
+  const long long main_ctas = (long long)(row_tiles - 1) * B;
+  const int tail_rows = R - (row_tiles - 1) * rows;
+  if (row_tiles - 1 < TAIL_MIN_MAIN_TILES || tail_rows >= rows || B < 1 ||
+      main_ctas + (long long)B * MAX_SPLITS_PAST_FILL > (1 << 26))
+    return 0;
+  const long long idle = (main_ctas + wave - 1) / wave * wave - main_ctas;
+  if (idle * 6 > wave) return 0;
+  const long long tiles = (max_seq + keys - 1) / keys;
+  if (tiles > (1 << 30)) return 0;
+  int best_s = 1;
+  long long best = LLONG_MAX;
+  for (int s = 1; s <= MAX_SPLITS_PAST_FILL && s <= tiles; ++s) {
+    const long long c = tail_split_cost((int)main_ctas, B, s, wave, (long long)B * tail_rows, (int)tiles);
+    if (c < best) best = c, best_s = s;
+  }
+  return best_s > 1 ? best_s : 0;
+}
+
 }  // namespace
 }  // namespace kd
 
@@ -142,18 +174,26 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   pl.num_splits = num_splits > 0 ? num_splits : split.count;
   // Per-request counts where the rule's integers hold in the kernel (VerifyParams: 16 bits).
   pl.split_base = per_request && pl.wave <= SHRT_MAX ? split.base : 0;
+  const int tail = per_request && num_splits == 0 && pl.wave <= SHRT_MAX
+      ? kd::choose_tail_splits(B, R, pl.rows_per_cta, row_tiles, max_seq, pl.keys_per_tile, pl.wave) : 0;
+  if (tail > 0) {
+    pl.tail = 1;
+    pl.num_splits = tail;
+    pl.split_base = 0;
+  }
   pl.merge = 0;
   if (pl.num_splits > 1) {
     pl.merge = 2;
 #ifdef KD_HAS_SM90A
     // Clusters merge every split of a row tile, full or empty: per-request counts take the combine.
-    if (pl.kernel == 1 && pl.split_base == 0 &&
+    if (pl.kernel == 1 && pl.split_base == 0 && !pl.tail &&
         kd::verify_wgmma_merges(d->device, B, R, pl.copy, pl.num_splits, path))
       pl.merge = 1;
 #endif
     // Set where the splits merge in clusters too: a launch that cannot encode its tensor
     // map falls back to the combine.
-    pl.combine = kd::combine_launch(*d, pl.kernel, B, R, pl.num_splits);
+    pl.combine = kd::combine_launch(*d, pl.kernel, B, pl.tail ? R - (row_tiles - 1) * pl.rows_per_cta : R,
+                                    pl.num_splits);
   }
   *plan = pl;
   return 0;
@@ -170,9 +210,11 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
   if (plan->num_splits > 1 && (!partial_out || !partial_lse)) return KD_ERR_ARGUMENT;
   const long long cta_rows = plan->rows_per_cta > 0 ? plan->rows_per_cta : 1;
   const long long split_ctas = plan->B * (((long long)plan->D * plan->H + cta_rows - 1) / cta_rows);
-  if (plan->split_base < 0 || plan->split_base > plan->num_splits ||
-      (plan->split_base > 0 && (plan->num_splits > kd::MAX_SPLITS_PAST_FILL || plan->wave < 1 ||
-                                plan->wave > SHRT_MAX || plan->merge != 2 || split_ctas > (1 << 26))))
+  const bool per_request = plan->split_base > 0 || plan->tail == 1;
+  if (plan->split_base < 0 || plan->split_base > plan->num_splits || plan->tail < 0 || plan->tail > 1 ||
+      (plan->tail == 1 && plan->split_base != 0) ||
+      (per_request && (plan->num_splits > kd::MAX_SPLITS_PAST_FILL || plan->wave < 1 || plan->wave > SHRT_MAX ||
+                       plan->merge != 2 || split_ctas > (1 << 26))))
     return KD_ERR_ARGUMENT;  // not a plan kd_verify_plan_make made
   const auto misaligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 != 0; };
   if (misaligned(q) || misaligned(kv_cache) || misaligned(out) || misaligned(partial_out)) return KD_ERR_ARGUMENT;
@@ -193,7 +235,7 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
   p.D = plan->D; p.H = plan->H; p.R = plan->D * plan->H;
   p.page_size = plan->page_size; p.num_pages = num_pages; p.max_pages = plan->max_pages;
   p.num_splits = plan->num_splits;
-  p.split_base = (short)plan->split_base;
+  p.split_base = plan->tail ? kd::TAIL_SPLITS : (short)plan->split_base;
   p.split_wave = (short)plan->wave;
   p.page_shift = (p.page_size & (p.page_size - 1)) == 0 ? __builtin_ctz((unsigned)p.page_size) : -1;
   p.scale_log2 = scale * kd::LOG2E;
@@ -213,5 +255,7 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
     rc = kd::launch_verify_mma(p, plan->rows_per_cta, plan->B, st);
   if (rc) return rc;
   if (plan->num_splits == 1 || merged) return 0;
-  return kd::launch_verify_combine(p, plan->B, st, plan->combine, *d);
+  // A tail plan's main row tiles wrote their own rows: the combine takes the last row tile's.
+  const int row0 = plan->tail ? (kd::ceil_div(p.R, plan->rows_per_cta) - 1) * plan->rows_per_cta : 0;
+  return kd::launch_verify_combine(p, plan->B, row0, st, plan->combine, *d);
 }

@@ -206,8 +206,8 @@ __device__ __forceinline__ void merge_rows(const VerifyParams& p, int b, int m0,
 // COPY: COPY_CP_ASYNC, COPY_TMA (page slabs) or COPY_RUNS (TMA or cp.async tile by tile).
 // MERGE (COPY_TMA or COPY_RUNS): the splits of a row tile are one cluster (1 x num_splits)
 // and merge in it; no other launch has clusters. PER_REQUEST (not MERGE): each request takes
-// its own split count (plans with split_base > 0); a separate build so that other plans run
-// the kernel without it.
+// its own split count (plans with split_base != 0: split_keys); a separate build so that
+// other plans run the kernel without it.
 template <int COPY, bool MERGE, bool PER_REQUEST>
 __global__ void __launch_bounds__(THREADS, 1)
 verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMap tmap) {
@@ -228,12 +228,12 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   // No EMPTY barrier: warpgroup 1 refills a slot only after KV_FREE and its own PV wait.
   const uint32_t bar_full = smem_addr(sM + ROWS);
 
-  using G = VerifyGrid<PER_REQUEST>;
-  const int m0 = blockIdx.x * ROWS, split = G::split(), b = G::request();
+  const VerifyCta cta = VerifyGrid<PER_REQUEST>::at(p, ROWS);
+  const int m0 = cta.tile * ROWS, split = cta.split, b = cta.b;
   SplitKeys ks_early{};  // PER_REQUEST: this split's keys, known before the prologue
   if constexpr (PER_REQUEST) {
-    ks_early = split_keys<true>(p, b, split, KEYS);
-    if (ks_early.ntiles == 0) {  // a short request's later split: only its LSEs
+    ks_early = split_keys<true>(p, cta, KEYS, ROWS);
+    if (empty_split(cta, ks_early)) {  // a short request's later split: only its LSEs
       write_empty_split(p, b, split, m0, ROWS, ks_early.alone);
       return;
     }
@@ -245,7 +245,7 @@ verify_attention_wgmma_kernel(VerifyParams p, const __grid_constant__ CUtensorMa
   const int rbase = (warp & 3) * 16;      // this warp's 16 rows of the 64
   const int32_t* table = request_table(p, b);
   // This split's keys, in whole tiles.
-  const SplitKeys ks = PER_REQUEST ? ks_early : split_keys<false>(p, b, split, KEYS);
+  const SplitKeys ks = PER_REQUEST ? ks_early : split_keys<false>(p, cta, KEYS, ROWS);
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
   const int unmasked_end = min(P, k_end);  // keys below this need no mask
   // PER_REQUEST: whether this split writes the request's output, kept to the epilogue in the
@@ -561,7 +561,8 @@ int launch_wgmma_as(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaS
   cudaLaunchAttribute attr;
   cudaLaunchConfig_t cfg;
   cudaError_t e =
-      path_config<COPY, MERGE, PER_REQUEST>(VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, ROWS), p.num_splits, B),
+      path_config<COPY, MERGE, PER_REQUEST>(VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, ROWS), p.num_splits, B,
+                                                                          p.split_base == TAIL_SPLITS),
                                             st, &attr, &cfg);
   if (e == cudaSuccess)
     e = cudaLaunchKernelEx(&cfg, verify_attention_wgmma_kernel<COPY, MERGE, PER_REQUEST>, p, tmap);
@@ -572,7 +573,7 @@ int launch_wgmma_as(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaS
 template <int COPY, bool MERGE>
 int launch_wgmma_path(const VerifyParams& p, const CUtensorMap& tmap, int B, cudaStream_t st) {
   if constexpr (!MERGE) {
-    if (p.split_base > 0) return launch_wgmma_as<COPY, false, true>(p, tmap, B, st);
+    if (p.split_base != 0) return launch_wgmma_as<COPY, false, true>(p, tmap, B, st);
   }
   return launch_wgmma_as<COPY, MERGE, false>(p, tmap, B, st);
 }
