@@ -1,7 +1,8 @@
 """Verify attention over forced split counts, beside the plan's own choice: the data behind
 the `splits` row of the dispatch table (kernels/src/verify_plan.cu). Graph replays over
 rotating cache copies (L2 cold), as the verify sweep times them, every count of a shape in
-alternating replays (one clock for all); one Parquet row a point.
+alternating replays (one clock for all); one Parquet row a point, the file rewritten after
+each shape.
 
     python3 scripts/split_scan.py OUT.parquet [--heads 8 16] [--slots 1] [--prefixes 8192 32768]
 
@@ -17,6 +18,7 @@ import torch
 
 from kdtree import ops
 from kdtree.harness.gpu import measure_ceilings
+from kdtree.harness.results import check_output, write_parquet_atomic
 from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, floor_us, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import ALTERNATING, time_graphs_alternating
 from kdtree.harness.workloads import widened_table
@@ -35,6 +37,10 @@ def main():
     a.add_argument("--plan-keys", type=int, default=0, help="plan for tables of this many keys (0: the batch's)")
     a.add_argument("--per-request", action="store_true", help="also time the plan with per-request split counts")
     args = a.parse_args()
+    try:
+        check_output(args.out, make_parent=True)  # before any GPU time
+    except ValueError as e:
+        raise SystemExit(f"{a.prog}: {e}") from None
     copy_gbps = measure_ceilings()["copy_gbps"]
     rows = []
     for H in args.heads:
@@ -71,9 +77,9 @@ def main():
                                          timing=ALTERNATING, **t))
                         print(rows[-1]["heads"], D, P, B, s, per_request, plan.num_splits, plan.name,
                               round(t["median_us"], 1), round(rows[-1]["copy_fraction"], 3), flush=True)
+                    write_parquet_atomic(pd.DataFrame(rows), args.out)  # an interrupted scan keeps its shapes
                     q = cache = caches = table = seq = vis = plans = fns = None  # free the point before the next
                     torch.cuda.empty_cache()
-    pd.DataFrame(rows).to_parquet(args.out, index=False)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import pandas as pd
 import torch
 
 from kdtree import ops
-from kdtree.harness.results import write_parquet_atomic
+from kdtree.harness.results import check_output, write_parquet_atomic
 from kdtree.harness.sweeps.verify_attn import cache_copies, cache_set, gpu_case, replay_inner, rotation
 from kdtree.harness.timing import ALTERNATING, time_graphs_alternating
 
@@ -33,6 +33,10 @@ def main():
     a.add_argument("--tail-splits", type=int, nargs="+", default=[4, 8, 11, 16])
     a.add_argument("--replays", type=int, default=10)
     args = a.parse_args()
+    try:
+        check_output(args.out, make_parent=True)  # before any GPU time
+    except ValueError as e:
+        raise SystemExit(f"{a.prog}: {e}") from None
     side = torch.cuda.Stream()
     rows = []
     for H in args.heads:
