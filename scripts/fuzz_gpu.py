@@ -1,7 +1,8 @@
 """A fuzzing campaign on the GPU: random shapes and inputs for the three kernels against their
 references, for a time budget. The GPU tests fix their grids; this draws what they do not
 combine (ragged prefixes with odd page sizes and head counts, forced kernels and split counts,
-budgets past the reachable nodes, unsorted or positive rows, a smaller GPU's shared memory).
+per-request plans under wide tables, budgets past the reachable nodes, unsorted or positive
+rows, a smaller GPU's shared memory).
 
 Every case's parameters and verdict go to a JSON-lines file as the case ends, so an interrupted
 campaign keeps what it ran; `--replay LINE` runs one recorded case again (its seed is in it).
@@ -25,7 +26,8 @@ import numpy as np
 import torch
 
 from kdtree import ops
-from kdtree.harness.workloads import follow_targets, paged_case, poisoned_accept, poisoned_trees, stage_a_inputs
+from kdtree.harness.workloads import (follow_targets, paged_case, poisoned_accept, poisoned_trees, stage_a_inputs,
+                                      widened_table)
 from kdtree.reference.attention import verify_attention_ref
 from kdtree.reference.tree import build_trees, greedy_accept_batch, pack_visibility
 
@@ -97,13 +99,20 @@ def run_build(c: dict) -> str | None:
     return None
 
 
+# (B, D, H) whose per-request plans split only the last row tile on 132 SMs (verify v25)
+TAIL_SHAPES = [(16, 65, 8), (16, 33, 16), (16, 65, 16), (8, 65, 16)]
+
+
 def verify_case(rng) -> dict:
     H = int(pick(rng, [1, 2, 3, 8, 16, 22, 32, 64, 128]))
     D = int(pick(rng, [1, 2, 3, 5, 8, 16, 17, 33, 64, 65, 100, 257, 513, 1025]))
+    B = int(pick(rng, [1, 1, 2, 3, 8, 16, 24]))
+    per_request = int(pick(rng, [0, 0, 0, 0, 0, 1, 4, 64]))
+    if per_request and rng.random() < 0.5:
+        B, D, H = (int(x) for x in TAIL_SHAPES[int(rng.integers(len(TAIL_SHAPES)))])
     while D * H > 16384:
         D = max(1, D // 2)
     pmax = int(pick(rng, [0, 1, 64, 100, 1000, 5000, 20000, 40000]))
-    B = int(pick(rng, [1, 1, 2, 3, 8, 16, 24]))
     while B * (pmax + D) > 400_000 and B > 1:
         B //= 2
     while D * H * (pmax + D) > 200_000_000:  # the float64 reference's scores of one request
@@ -112,7 +121,10 @@ def verify_case(rng) -> dict:
             "page": int(pick(rng, [1, 1, 2, 16, 32, 64, 64, 128, 256])),
             "layout": str(pick(rng, ["scattered", "runs", "runs", "broken_runs"])),
             "kernel": str(pick(rng, ["auto", "auto", "mma_sync", "wgmma_cp_async", "wgmma_combine"])),
-            "num_splits": pick(rng, [None, None, None, 1, 2, 3, 7, 32, 128]),
+            "num_splits": None if per_request else pick(rng, [None, None, None, 1, 2, 3, 7, 32, 128]),
+            # per-request split counts (the SGLang drop-in's plans; tail plans among them) under
+            # a table this many times the longest request's pages
+            "per_request": per_request,
             "bits": bool(rng.random() < 0.5),
             "scale": float(pick(rng, [0.130861, 0.0416667, 0.5])),
             "seed": int(rng.integers(1 << 30))}
@@ -130,8 +142,14 @@ def run_verify(c: dict) -> str | None:
     B, D, H = c["B"], c["D"], c["H"]
     out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
     lse = torch.full((B, D, H), float("nan"), dtype=torch.float32, device=DEV)
-    ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, c["scale"],
-                    kernel=c["kernel"], num_splits=c["num_splits"], out=(out, lse))
+    wide = c.get("per_request", 0)
+    if wide:
+        table = widened_table(case.block_table, case.block_table.shape[1] * wide)
+        plan = ops.TreeVerifyPlan(B, D, H, c["page"], table.shape[1], kernel=c["kernel"], per_request_splits=True)
+        plan.run(case.q, case.kv_cache, table, case.seq_lens, vis, c["scale"], out=(out, lse))
+    else:
+        ops.tree_verify(case.q, case.kv_cache, case.block_table, case.seq_lens, vis, c["scale"],
+                        kernel=c["kernel"], num_splits=c["num_splits"], out=(out, lse))
     ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility,
                                         c["scale"])
     if torch.isnan(out).any() or torch.isnan(lse).any():
