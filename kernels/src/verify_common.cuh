@@ -122,16 +122,21 @@ __host__ __device__ inline long long split_cost(int ctas, int wave, long long ro
 // the warp takes the least, ties to fewer splits: a loop over the counts cost every warp of
 // every CTA a few hundred instructions. Not inlined, and scalars only: inlined, its 64-bit
 // costs made the wgmma kernel spill. Call with the whole warp.
-static __device__ __noinline__ int request_splits(int split_base, int num_splits, int ctas, int wave, long long rows,
-                                                  int tiles) {
-  int s = split_base + (int)(threadIdx.x & 31);
-  long long c = s <= num_splits ? split_cost(ctas, wave, rows, tiles, s) : 0x7fffffffffffffffLL;
+// The count s of least cost c over the warp's lanes, ties to fewer splits (a lane without a
+// count passes the largest cost). Call with the whole warp.
+__device__ __forceinline__ int warp_least_splits(int s, long long c) {
   for (int o = 16; o > 0; o >>= 1) {
     const long long oc = __shfl_xor_sync(0xffffffffu, c, o);
     const int os = __shfl_xor_sync(0xffffffffu, s, o);
     if (oc < c || (oc == c && os < s)) c = oc, s = os;
   }
   return s;
+}
+
+static __device__ __noinline__ int request_splits(int split_base, int num_splits, int ctas, int wave, long long rows,
+                                                  int tiles) {
+  const int s = split_base + (int)(threadIdx.x & 31);
+  return warp_least_splits(s, s <= num_splits ? split_cost(ctas, wave, rows, tiles, s) : 0x7fffffffffffffffLL);
 }
 
 // The cost of s splits for the last row tiles of a TAIL_SPLITS launch (each request's rows
@@ -155,15 +160,9 @@ __host__ __device__ inline long long tail_split_cost(int main_ctas, int tail_cta
 // whole warp.
 static __device__ __noinline__ int request_tail_splits(int num_splits, int main_ctas, int tail_ctas, int wave,
                                                        long long tail_rows, int tiles) {
-  int s = 1 + (int)(threadIdx.x & 31);
-  long long c = s <= num_splits ? tail_split_cost(main_ctas, tail_ctas, s, wave, tail_rows, tiles)
-                                : 0x7fffffffffffffffLL;
-  for (int o = 16; o > 0; o >>= 1) {
-    const long long oc = __shfl_xor_sync(0xffffffffu, c, o);
-    const int os = __shfl_xor_sync(0xffffffffu, s, o);
-    if (oc < c || (oc == c && os < s)) c = oc, s = os;
-  }
-  return s;
+  const int s = 1 + (int)(threadIdx.x & 31);
+  return warp_least_splits(
+      s, s <= num_splits ? tail_split_cost(main_ctas, tail_ctas, s, wave, tail_rows, tiles) : 0x7fffffffffffffffLL);
 }
 
 // Request b's keys for one split: whole tiles of `keys`, the prefix length P (tree slots sit
@@ -177,6 +176,10 @@ struct SplitKeys {
 
 // split_base of a plan whose last row tile alone takes per-request counts (the plan's `tail`).
 constexpr short TAIL_SPLITS = -1;
+
+// The first row of a request's last row tile (R rows a request, `rows` a CTA): a TAIL_SPLITS
+// plan's main row tiles hold the rows before it.
+__host__ __device__ inline int last_tile_row(int R, int rows) { return (ceil_div(R, rows) - 1) * rows; }
 
 // A CTA's coordinates: its row tile, split and request, and the launch's requests.
 struct VerifyCta {

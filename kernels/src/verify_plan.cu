@@ -115,7 +115,7 @@ SplitChoice choose_splits(int B, int R, int row_tiles, long long max_seq, int ke
 constexpr int TAIL_MIN_MAIN_TILES = 8;
 int choose_tail_splits(int B, int R, int rows, int row_tiles, long long max_seq, int keys, int wave) {
   const long long main_ctas = (long long)(row_tiles - 1) * B;
-  const int tail_rows = R - (row_tiles - 1) * rows;
+  const int tail_rows = R - last_tile_row(R, rows);
   if (row_tiles - 1 < TAIL_MIN_MAIN_TILES || tail_rows >= rows || B < 1 ||
       main_ctas + (long long)B * MAX_SPLITS_PAST_FILL > (1 << 26))
     return 0;
@@ -174,7 +174,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
   pl.num_splits = num_splits > 0 ? num_splits : split.count;
   // Per-request counts where the rule's integers hold in the kernel (VerifyParams: 16 bits).
   pl.split_base = per_request && pl.wave <= SHRT_MAX ? split.base : 0;
-  const int tail = per_request && num_splits == 0 && pl.wave <= SHRT_MAX
+  const int tail = per_request && pl.wave <= SHRT_MAX
       ? kd::choose_tail_splits(B, R, pl.rows_per_cta, row_tiles, max_seq, pl.keys_per_tile, pl.wave) : 0;
   if (tail > 0) {
     pl.tail = 1;
@@ -192,7 +192,7 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
 #endif
     // Set where the splits merge in clusters too: a launch that cannot encode its tensor
     // map falls back to the combine.
-    pl.combine = kd::combine_launch(*d, pl.kernel, B, pl.tail ? R - (row_tiles - 1) * pl.rows_per_cta : R,
+    pl.combine = kd::combine_launch(*d, pl.kernel, B, pl.tail ? R - kd::last_tile_row(R, pl.rows_per_cta) : R,
                                     pl.num_splits);
   }
   *plan = pl;
@@ -256,6 +256,6 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
   if (rc) return rc;
   if (plan->num_splits == 1 || merged) return 0;
   // A tail plan's main row tiles wrote their own rows: the combine takes the last row tile's.
-  const int row0 = plan->tail ? (kd::ceil_div(p.R, plan->rows_per_cta) - 1) * plan->rows_per_cta : 0;
+  const int row0 = plan->tail ? kd::last_tile_row(p.R, plan->rows_per_cta) : 0;
   return kd::launch_verify_combine(p, plan->B, row0, st, plan->combine, *d);
 }
