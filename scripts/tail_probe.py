@@ -2,12 +2,14 @@
 kernels: a tree of D = budget + 1 slots verified at once (the plan as it is) against its first
 `budget` slots' plan with the last slot's rows as a second launch of their own split count,
 in turn on one stream or beside it on a second (a graph fork: the tail's CTAs take the SMs the
-main launch leaves idle). The two-launch forms time the work, not a result: the tail launch
+main launch leaves idle). `--tail-kernels mma_sync` gives the tail launch the mma.sync kernel,
+whose 16-row tiles do an eighth of a 64-row tile's products for the last slot's H rows. The two-launch forms time the work, not a result: the tail launch
 takes the last slot as a one-slot tree over the whole prefix. Graph replays over rotating
 cache copies (L2 cold), every form of a shape in alternating replays; one Parquet row a form,
 written after each shape (an interrupted run keeps the shapes it finished).
 
     python3 scripts/tail_probe.py OUT.parquet [--heads 8 16] [--budgets 16 64] [--tail-splits 4 8 11 16]
+        [--tail-kernels auto mma_sync] [--no-serial]
 """
 import argparse
 
@@ -31,6 +33,8 @@ def main():
     a.add_argument("--batches", type=int, nargs="+", default=[16])
     a.add_argument("--page", type=int, default=64)
     a.add_argument("--tail-splits", type=int, nargs="+", default=[4, 8, 11, 16])
+    a.add_argument("--tail-kernels", nargs="+", default=["auto"], choices=ops.VERIFY_KERNELS)
+    a.add_argument("--no-serial", action="store_true", help="time only the forked two-launch forms")
     a.add_argument("--replays", type=int, default=10)
     args = a.parse_args()
     try:
@@ -58,8 +62,8 @@ def main():
                     main_plan = ops.TreeVerifyPlan(B, b, H, args.page, pages)
                     forms, fns = [], []
 
-                    def add(name, splits, fn):
-                        forms.append((name, splits))
+                    def add(name, splits, fn, tail_kernel=None):
+                        forms.append((name, splits, tail_kernel))
                         fns.append(fn)
 
                     out = whole.run(q, cache, table, seq, vis, SCALE)
@@ -69,8 +73,8 @@ def main():
                     add("main_only", main_plan.num_splits,
                         lambda nc=rotation(caches): main_plan.run(q_main, nc(), table, seq_main, vis_main, SCALE,
                                                                   out=out_m))
-                    for s in args.tail_splits:
-                        tail = ops.TreeVerifyPlan(B, 1, H, args.page, pages, num_splits=s)
+                    for tk, s in [(tk, s) for tk in args.tail_kernels for s in args.tail_splits]:
+                        tail = ops.TreeVerifyPlan(B, 1, H, args.page, pages, kernel=tk, num_splits=s)
                         out_t = tail.run(q_tail, cache, table, seq, vis_tail, SCALE)
 
                         def serial(tail=tail, out_t=out_t, nc=rotation(caches)):
@@ -86,16 +90,18 @@ def main():
                             main_plan.run(q_main, c, table, seq_main, vis_main, SCALE, out=out_m)
                             here.wait_stream(side)
 
-                        add("serial", tail.num_splits, serial)
-                        add("forked", tail.num_splits, forked)
+                        if not args.no_serial:
+                            add("serial", tail.num_splits, serial, tail.kernel)
+                        add("forked", tail.num_splits, forked, tail.kernel)
                     times = time_graphs_alternating(fns, replays=args.replays, inner=replay_inner(copies, 3))
                     ref = times[0]["median_us"]
-                    for (name, splits), t in zip(forms, times):
+                    for (name, splits, tail_kernel), t in zip(forms, times):
                         rows.append(dict(heads=H, budget=b, D=D, prefix=P, batch=B, page_size=args.page,
-                                         form=name, splits=splits, whole_splits=whole.num_splits,
+                                         form=name, splits=splits, tail_kernel=tail_kernel,
+                                         whole_splits=whole.num_splits,
                                          main_splits=main_plan.num_splits, vs_whole=t["median_us"] / ref,
                                          device=torch.cuda.get_device_name(), timing=ALTERNATING, **t))
-                        print(H, b, P, B, name, splits, round(t["median_us"], 1), round(t["median_us"] / ref, 3),
+                        print(H, b, P, B, name, tail_kernel, splits, round(t["median_us"], 1), round(t["median_us"] / ref, 3),
                               flush=True)
                     write_parquet_atomic(pd.DataFrame(rows), args.out)
                     q = cache = caches = table = seq = vis = fns = None  # free the point before the next

@@ -72,6 +72,8 @@ COVERED = {
     "scripts/tail_probe.py": ("gpu", "session 82's probe on an H100 (ab/run200.sh; docs/kernels/verify_attention.md, "
                                      "v25)"),
     "scripts/tail_probe.py OUT.parquet": ("gpu", "the entry above's form"),
+    "scripts/tail_probe.py --tail-kernels mma_sync": ("gpu", "session 83's probe on an H100 (ab/run300.sh; "
+                                                             "docs/kernels/verify_attention.md, session 83)"),
     "scripts/tail_schedule_sim.py": ("run", "test_the_gated_rule_is_never_slower_in_the_model "
                                             "(tests/test_tail_schedule_sim.py)"),
     "scripts/split_scan.py --batches 1": ("gpu", "session 34's batch-1 scan in docs/kernels/verify_attention.md, "
