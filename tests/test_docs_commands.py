@@ -95,6 +95,7 @@ COVERED = {
                                                            "from_an_instruction"),
     "scripts/fuzz_gpu.py": ("gpu", "session 61's fuzzing campaigns on the H200 (docs/kernels/README.md's record)"),
     "scripts/fuzz_gpu.py --seconds N --out F.jsonl": ("gpu", "the same campaigns' form (ab/run127.sh, ab/run128.sh)"),
+    "scripts/fuzz_gpu.py --ops verify": ("gpu", "session 83's verify campaigns on an H100 (ab/run305.sh)"),
     "scripts/tree_build_host_twin.py": ("run", "test_host_twin_script_compares_libraries (tests/test_kernel_host.py)"),
     "scripts/tree_build_host_twin.py LIB --fuzz SECONDS": ("run", "test_host_twin_fuzz_checks_against_the_heap_build "
                                                             "(tests/test_kernel_host.py)"),

@@ -4,16 +4,18 @@
 // row = i*H + h) are one matrix against one key matrix. A CTA takes a tile of ROWS
 // query rows of one request and one split of its keys, streams the keys through
 // shared memory in tiles of 32 (cp.async, STAGES-deep ring) and keeps an online
-// softmax in float32. Warps come in pairs per 16-row block (SW pairs):
-//   S = Q K^T:    warp half h of a pair takes keys 16h..16h+15 of the tile, with four
-//                 independent accumulator sets (k-steps mod 4) so the tensor pipe is not
-//                 waiting on one dependent chain (v1 was latency-bound: ncu "wait" stalls);
-//   softmax:      the pair swaps row maxima through shared memory (64-thread named
-//                 barrier), each warp keeps the row sum of its own keys;
-//   O += P V:     warp half h owns output columns 256h..256h+255 of the pair's rows,
-//                 so the rescale factors stay in registers.
+// softmax in float32. Warps come in groups of WPR (2 or 4) per 16-row block (SW groups):
+//   S = Q K^T:    warp part h of a group takes keys 32h/WPR.. of the tile (16 or 8), with
+//                 four independent accumulator sets (k-steps mod 4) so the tensor pipe is
+//                 not waiting on one dependent chain (v1 was latency-bound: ncu "wait");
+//   softmax:      the group swaps row maxima through shared memory (a named barrier of
+//                 its warps), each warp keeps the row sum of its own keys;
+//   O += P V:     warp part h owns output columns 512h/WPR.. of the group's rows (256 or
+//                 128), so the rescale factors stay in registers.
 // One __syncthreads per key tile. With one split the CTA writes out/lse; with several
 // it writes bf16 partials that the combine kernel (verify_combine.cu) merges.
+#include <algorithm>
+
 #include "mma.cuh"
 #include "verify_common.cuh"
 
@@ -25,30 +27,45 @@ constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
 constexpr int KEYS = MMA_KEYS;      // keys per shared-memory tile (16 per warp in S = QK^T)
 constexpr int PLD = KEYS + 8;       // P row stride
 
-// SW warp pairs (16 query rows each), a ring of STAGES key tiles.
-template <int SW_, int STAGES_>
+// SW groups of WPR warps (16 query rows a group), a ring of STAGES key tiles.
+template <int SW_, int STAGES_, int WPR_>
 struct Tile {
   static constexpr int SW = SW_;
   static constexpr int STAGES = STAGES_;
+  static constexpr int WPR = WPR_;
   static constexpr int ROWS = 16 * SW;
-  static constexpr int THREADS = 64 * SW;
+  static constexpr int THREADS = 32 * WPR * SW;
   static constexpr size_t SMEM_Q = (size_t)ROWS * LD * 2;
   static constexpr size_t SMEM_KV = (size_t)KEYS * LD * 2;
   static constexpr size_t SMEM_P = (size_t)ROWS * PLD * 2;
-  static constexpr size_t SMEM_BYTES = SMEM_Q + STAGES * SMEM_KV + SMEM_P + 4 * ROWS * sizeof(float);
+  static constexpr size_t SMEM_BYTES = SMEM_Q + STAGES * SMEM_KV + SMEM_P + 2 * WPR * ROWS * sizeof(float);
 };
 // Hopper (227 KB per block): 64 or 32 rows with a 3-deep ring (193 / 153 KB).
-// 16 rows (small trees; all of sm_120, 99 KB per block): double buffered, 95 KB, so
-// two CTAs share a Hopper SM.
-using Tile64 = Tile<4, 3>;
-using Tile32 = Tile<2, 3>;
-using Tile16 = Tile<1, 2>;
+// 16 rows (small trees; all of sm_120, 99 KB per block): double buffered, 95 KB, on four
+// warps: sm_120 holds one such CTA an SM, whose four sub-partitions each need a warp to
+// issue to their tensor core (two CTAs share a Hopper SM).
+using Tile64 = Tile<4, 3, 2>;
+using Tile32 = Tile<2, 3, 2>;
+using Tile16 = Tile<1, 2, 4>;
+
+// Probe builds that hold Hopper to sm_120's tiles (docs/kernels/verify_attention.md, session
+// 83): KD_MMA_SMEM_OPTIN caps the shared memory a block may take (sm_120: 101,376 bytes), and
+// KD_MMA_SMEM_PAD adds dynamic shared memory to every CTA so an SM holds one 16-row CTA.
+#ifndef KD_MMA_SMEM_OPTIN
+#define KD_MMA_SMEM_OPTIN (1 << 30)
+#endif
+#ifndef KD_MMA_SMEM_PAD
+#define KD_MMA_SMEM_PAD 0
+#endif
+template <class T>
+constexpr int launch_smem() { return (int)T::SMEM_BYTES + KD_MMA_SMEM_PAD; }
 
 using Params = VerifyParams;
 
-// The two warps of a pair meet here (ids 1..SW; 0 is __syncthreads).
-__device__ __forceinline__ void pair_barrier(int pair) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory");
+// The WPR warps of a group meet here (ids 1..SW; 0 is __syncthreads).
+template <int WPR>
+__device__ __forceinline__ void group_barrier(int group) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "n"(32 * WPR) : "memory");
 }
 
 // Async load of key rows [k0, k0 + KEYS) of request b into a tile; rows at or past
@@ -86,22 +103,25 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* tab
 // split_keys); a separate build so that other plans run the kernel without it.
 template <class T, bool PER_REQUEST>
 __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attention_kernel(Params p) {
-  constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES;
+  constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES, WPR = T::WPR;
+  constexpr int KW = KEYS / WPR;     // a warp's keys in S: 16 or 8
+  constexpr int NB = KW / 8;         // its 8-key blocks
+  constexpr int OJ = V_DIM / WPR / 8;  // its 8-column blocks of O: 32 or 16
   extern __shared__ __align__(128) unsigned char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem);
   __nv_bfloat16* sKV0 = reinterpret_cast<__nv_bfloat16*>(smem + T::SMEM_Q);
   __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV);
   float* sMax = reinterpret_cast<float*>(smem + T::SMEM_Q + STAGES * T::SMEM_KV + T::SMEM_P);
-  float* sSum = sMax + 2 * ROWS;  // [half][row], exchanged once at the end
+  float* sSum = sMax + WPR * ROWS;  // [part][row], exchanged once at the end
 
   const VerifyCta cta = VerifyGrid<PER_REQUEST>::at(p, ROWS);
   const int m0 = cta.tile * ROWS, split = cta.split, b = cta.b;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int pair = warp % SW, half = warp / SW;
-  const int qrow = pair * 16;          // the pair's 16 rows within the tile
-  const int col0 = half * 256;         // this warp's output columns
-  const int key0 = half * 16;          // this warp's keys within a tile, for S
+  const int group = warp % SW, part = warp / SW;
+  const int qrow = group * 16;         // the group's 16 rows within the tile
+  const int col0 = part * (8 * OJ);    // this warp's output columns
+  const int key0 = part * KW;          // this warp's keys within a tile, for S
   const int32_t* table = request_table(p, b);
   const SplitKeys ks = split_keys<PER_REQUEST>(p, cta, KEYS, ROWS);  // this split's keys, in whole tiles
   const int P = ks.P, k_begin = ks.begin, k_end = ks.end, ntiles = ks.ntiles;
@@ -125,9 +145,9 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     cp_async_commit();
   }
 
-  float o[32][4];
+  float o[OJ][4];
 #pragma unroll
-  for (int j = 0; j < 32; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  for (int j = 0; j < OJ; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
   const auto o_at = [&](int j, int e) -> float& { return o[j][e]; };
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this warp's keys
   // Tree slot of this thread's two rows (g, g+8), for the mask.
@@ -144,28 +164,34 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     const int k0 = k_begin + it * KEYS;
     const __nv_bfloat16* sK = sKV0 + (it % STAGES) * KEYS * LD;
 
-    // S = Q K^T for 16 rows x this warp's 16 keys; 4 accumulator sets break the chain.
-    float acc[4][2][4];
+    // S = Q K^T for 16 rows x this warp's KW keys; 4 accumulator sets break the chain.
+    float acc[4][NB][4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) acc[u][j][0] = acc[u][j][1] = acc[u][j][2] = acc[u][j][3] = 0.f;
+      for (int j = 0; j < NB; ++j) acc[u][j][0] = acc[u][j][1] = acc[u][j][2] = acc[u][j][3] = 0.f;
 #pragma unroll
     for (int kq = 0; kq < QK_DIM / 16; kq += 4) {  // fully unrolled: immediate smem offsets
+      uint32_t bb[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int kk = kq + u;
-        uint32_t a[4], bb[4];
+        uint32_t a[4];
         ldmatrix_x4(a, sQ + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * LD + kk * 16 + 8 * (lane >> 4));
         const int mi = lane >> 3;
-        ldmatrix_x4(bb, sK + (key0 + (lane & 7) + 8 * (mi >> 1)) * LD + kk * 16 + 8 * (mi & 1));
-        mma_bf16(acc[u][0], a, bb[0], bb[1]);
-        mma_bf16(acc[u][1], a, bb[2], bb[3]);
+        if constexpr (NB == 2) {  // keys 0-7 and 8-15 of this k-step
+          ldmatrix_x4(bb, sK + (key0 + (lane & 7) + 8 * (mi >> 1)) * LD + kk * 16 + 8 * (mi & 1));
+          mma_bf16(acc[u][0], a, bb[0], bb[1]);
+          mma_bf16(acc[u][1], a, bb[2], bb[3]);
+        } else {  // 8 keys: one load brings this k-step and the next
+          if ((u & 1) == 0) ldmatrix_x4(bb, sK + (key0 + (lane & 7)) * LD + kk * 16 + 8 * mi);
+          mma_bf16(acc[u][0], a, bb[2 * (u & 1)], bb[2 * (u & 1) + 1]);
+        }
       }
     }
-    float s[2][4];
+    float s[NB][4];
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
+    for (int j = 0; j < NB; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[j][e] = (acc[0][j][e] + acc[1][j][e]) + (acc[2][j][e] + acc[3][j][e]);
 
@@ -174,7 +200,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     float mx[2] = {-INFINITY, -INFINITY};
     const auto scale_keep = [&](auto keep) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < NB; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[j][e] = keep(k0 + key0 + j * 8 + 2 * t + (e & 1), e < 2 ? slot0 : slot1) ? s[j][e] * p.scale_log2
@@ -194,19 +220,21 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     for (int h = 0; h < 2; ++h) {
       mx[h] = quad_max(mx[h]);
     }
-    if (t == 0) { sMax[half * ROWS + qrow + g] = mx[0]; sMax[half * ROWS + qrow + g + 8] = mx[1]; }
-    pair_barrier(pair);
+    if (t == 0) { sMax[part * ROWS + qrow + g] = mx[0]; sMax[part * ROWS + qrow + g + 8] = mx[1]; }
+    group_barrier<WPR>(group);
     float alpha[2], msafe[2], sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float other = sMax[(half ^ 1) * ROWS + qrow + g + 8 * h];
-      const float m_new = running_max(m_run[h], fmaxf(mx[h], other));  // the same in both warps
+      float row_max = sMax[qrow + g + 8 * h];
+#pragma unroll
+      for (int q = 1; q < WPR; ++q) row_max = fmaxf(row_max, sMax[q * ROWS + qrow + g + 8 * h]);
+      const float m_new = running_max(m_run[h], row_max);  // the same in every warp of the group
       msafe[h] = m_new == -INFINITY ? 0.f : m_new;  // fully masked so far: keep zeros
       alpha[h] = exp2f(m_run[h] - msafe[h]);
       m_run[h] = m_new;
     }
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
+    for (int j = 0; j < NB; ++j) {
       const float p0 = exp2f(s[j][0] - msafe[0]), p1 = exp2f(s[j][1] - msafe[0]);
       const float p2 = exp2f(s[j][2] - msafe[1]), p3 = exp2f(s[j][3] - msafe[1]);
       sum[0] += p0 + p1;
@@ -219,16 +247,16 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     for (int h = 0; h < 2; ++h) {
       l_run[h] = l_run[h] * alpha[h] + quad_sum(sum[h]);
     }
-    rescale_rows(alpha, o_at);
-    pair_barrier(pair);  // both halves of P are in shared memory
+    rescale_rows<OJ>(alpha, o_at);
+    group_barrier<WPR>(group);  // every part of P is in shared memory
 
-    // O += P V over this warp's 256 columns (all 32 keys of the tile).
+    // O += P V over this warp's 8 * OJ columns (all 32 keys of the tile).
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
       uint32_t a[4];
       ldmatrix_x4(a, sP + (qrow + (lane & 7) + 8 * ((lane >> 3) & 1)) * PLD + kk * 16 + 8 * (lane >> 4));
 #pragma unroll
-      for (int jp = 0; jp < 16; ++jp) {
+      for (int jp = 0; jp < OJ / 2; ++jp) {
         uint32_t bb[4];
         const int mi = lane >> 3;
         ldmatrix_x4_trans(bb, sK + (kk * 16 + (lane & 7) + 8 * (mi & 1)) * LD + col0 + jp * 16 +
@@ -241,13 +269,15 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
   cp_async_wait<0>();
   pdl_launch_dependents();  // the combine (if any) may be scheduled: it waits for our stores
 
-  // Row sums: this warp's keys plus the partner's.
-  if (t == 0) { sSum[half * ROWS + qrow + g] = l_run[0]; sSum[half * ROWS + qrow + g + 8] = l_run[1]; }
-  pair_barrier(pair);
+  // Row sums: this warp's keys plus the rest of the group's.
+  if (t == 0) { sSum[part * ROWS + qrow + g] = l_run[0]; sSum[part * ROWS + qrow + g + 8] = l_run[1]; }
+  group_barrier<WPR>(group);
 
-  const float l[2] = {sSum[qrow + g] + sSum[ROWS + qrow + g], sSum[qrow + g + 8] + sSum[ROWS + qrow + g + 8]};
-  write_rows(p, b, split, m0 + qrow + g, col0, t, l, m_run, half == 0 && t == 0,
-             writes_output(p, ks), o_at);
+  float l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int q = 0; q < WPR; ++q) { l[0] += sSum[q * ROWS + qrow + g]; l[1] += sSum[q * ROWS + qrow + g + 8]; }
+  write_rows<OJ>(p, b, split, m0 + qrow + g, col0, t, l, m_run, part == 0 && t == 0,
+                 writes_output(p, ks), o_at);
 }
 
 }  // namespace
@@ -268,20 +298,20 @@ int with_tile(int rows, F f) {
 
 template <class T>
 int ctas_per_sm(int* n) {
-  cudaError_t e = configure_once<verify_attention_kernel<T, false>>((int)T::SMEM_BYTES);
+  cudaError_t e = configure_once<verify_attention_kernel<T, false>>(launch_smem<T>());
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, verify_attention_kernel<T, false>, T::THREADS,
-                                                      T::SMEM_BYTES);
+                                                      launch_smem<T>());
   return (int)e;
 }
 
 template <class T, bool PER_REQUEST>
 int launch_as(const Params& p, int B, cudaStream_t st) {
-  const cudaError_t e = configure_once<verify_attention_kernel<T, PER_REQUEST>>((int)T::SMEM_BYTES);
+  const cudaError_t e = configure_once<verify_attention_kernel<T, PER_REQUEST>>(launch_smem<T>());
   if (e != cudaSuccess) return (int)e;
   const dim3 grid = VerifyGrid<PER_REQUEST>::dims(ceil_div(p.R, T::ROWS), p.num_splits, B,
                                                   p.split_base == TAIL_SPLITS);
-  verify_attention_kernel<T, PER_REQUEST><<<grid, T::THREADS, T::SMEM_BYTES, st>>>(p);
+  verify_attention_kernel<T, PER_REQUEST><<<grid, T::THREADS, launch_smem<T>(), st>>>(p);
   KD_LAUNCH_CHECK();
   return 0;
 }
@@ -296,7 +326,7 @@ int launch(const Params& p, int B, cudaStream_t st) {
 // The fewest mma.sync rows that cover R (no idle warps on small trees), as far as the
 // device's shared memory per block allows.
 int verify_mma_rows(const DeviceFacts& d, int R) {
-  const size_t room = (size_t)d.smem_optin;
+  const size_t room = std::min((size_t)d.smem_optin, (size_t)KD_MMA_SMEM_OPTIN);
   if (R > 32 && room >= Tile64::SMEM_BYTES) return Tile64::ROWS;
   if (R > 16 && room >= Tile32::SMEM_BYTES) return Tile32::ROWS;
   return Tile16::ROWS;

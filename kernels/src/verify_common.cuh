@@ -268,14 +268,14 @@ __device__ __forceinline__ float running_max(float m_run, float mx) {
   return mx > m_run + RESCALE_SLACK ? mx : m_run;  // -inf + slack = -inf: the first keys raise it
 }
 
-// O rows g and g + 8 of a thread (o(j, 0..1) and o(j, 2..3), j < 32) times their factors,
-// only when a row maximum moved somewhere in the warp (x1.0 is exact, so skipping changes
-// nothing; once the maxima settle this saves 128 FMULs a tile).
-template <class O>
+// O rows g and g + 8 of a thread (o(j, 0..1) and o(j, 2..3), j < J column blocks of 8) times
+// their factors, only when a row maximum moved somewhere in the warp (x1.0 is exact, so
+// skipping changes nothing; once the maxima settle this saves 4J FMULs a tile).
+template <int J = 32, class O>
 __device__ __forceinline__ void rescale_rows(const float (&alpha)[2], O o) {
   if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-    for (int j = 0; j < 32; ++j) {
+    for (int j = 0; j < J; ++j) {
       o(j, 0) *= alpha[0]; o(j, 1) *= alpha[0]; o(j, 2) *= alpha[1]; o(j, 3) *= alpha[1];
     }
   }
@@ -300,7 +300,7 @@ __device__ __forceinline__ bool writes_output(const VerifyParams& p, const Split
 }
 
 // A thread's share of the epilogue: rows row0 and row0 + 8 (h = 0, 1) of the tile, value
-// columns col0 + 8j + 2t (+1) for j < 32, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
+// columns col0 + 8j + 2t (+1) for j < J, read as o(j, 2h) and o(j, 2h + 1) (the mma.sync
 // C-fragment order both kernels keep); l and m (log2 domain) per row. One split writes the
 // bf16 output and the LSE (lse_writer; `whole`: writes_output); several write their
 // normalised O as bf16 partials and their LSEs for the combine. Partials in bf16 (vLLM's paged attention v2 keeps its
@@ -311,7 +311,7 @@ __device__ __forceinline__ bool writes_output(const VerifyParams& p, const Split
 // Stores: a quad's bf16 pairs of column blocks j, j + 1 (16 bytes a block) are regrouped by
 // two shuffles so each thread stores 8 contiguous bytes and a warp instruction writes whole
 // 32-byte sectors: half sectors cost an epilogue dearly (ECC memory merges partial sectors).
-template <class O>
+template <int J = 32, class O>
 __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int split, int row0, int col0,
                                            int t, const float (&l)[2], const float (&m)[2],
                                            bool lse_writer, bool whole, O o) {
@@ -325,8 +325,9 @@ __device__ __forceinline__ void write_rows(const VerifyParams& p, int b, int spl
     const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
     const size_t orow = whole ? (size_t)b * p.R + row : ((size_t)b * p.num_splits + split) * p.R + row;
     __nv_bfloat16* dst = (whole ? p.out : p.part_out) + orow * V_DIM + col0 + 4 * t;
+    static_assert(J % 2 == 0, "column blocks go in pairs");
 #pragma unroll
-    for (int j = 0; j < 32; j += 2) {
+    for (int j = 0; j < J; j += 2) {
       const uint32_t a = pack_bf16(o(j, 2 * h) * inv, o(j, 2 * h + 1) * inv);          // block j
       const uint32_t c = pack_bf16(o(j + 1, 2 * h) * inv, o(j + 1, 2 * h + 1) * inv);  // block j + 1
       // Pairs 0..3 of block j then 0..3 of block j + 1; thread t ends with pairs 2t, 2t + 1.
