@@ -24,7 +24,7 @@ namespace {
 
 constexpr int LD = QK_DIM + 8;      // padded row stride (elements): conflict-free ldmatrix
 constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
-constexpr int KEYS = MMA_KEYS;      // keys per shared-memory tile (16 per warp in S = QK^T)
+constexpr int KEYS = MMA_KEYS;      // keys per shared-memory tile (32 / WPR a warp in S = QK^T)
 constexpr int PLD = KEYS + 8;       // P row stride
 
 // SW groups of WPR warps (16 query rows a group), a ring of STAGES key tiles.
