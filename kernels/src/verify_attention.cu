@@ -3,9 +3,10 @@
 // All H heads share one latent KV head, so a request's D*H query rows (slot-major,
 // row = i*H + h) are one matrix against one key matrix. A CTA takes a tile of ROWS
 // query rows of one request and one split of its keys, streams the keys through
-// shared memory in tiles of 32 (cp.async, STAGES-deep ring) and keeps an online
-// softmax in float32. Warps come in groups of WPR (2 or 4) per 16-row block (SW groups):
-//   S = Q K^T:    warp part h of a group takes keys 32h/WPR.. of the tile (16 or 8), with
+// shared memory in tiles of KEYS (32; 16 in sm_120's 32-row tile) by cp.async into a
+// STAGES-deep ring, and keeps an online softmax in float32. Warps come in groups of WPR
+// (2 or 4) per 16-row block (SW groups):
+//   S = Q K^T:    warp part h of a group takes keys h KEYS / WPR.. of the tile (16 or 8), with
 //                 four independent accumulator sets (k-steps mod 4) so the tensor pipe is
 //                 not waiting on one dependent chain (v1 was latency-bound: ncu "wait");
 //   softmax:      the group swaps row maxima through shared memory (a named barrier of
@@ -24,15 +25,15 @@ namespace {
 
 constexpr int LD = QK_DIM + 8;      // padded row stride (elements): conflict-free ldmatrix
 constexpr int CHUNKS = QK_DIM / 8;  // 16-byte chunks per cache row (72)
-constexpr int KEYS = MMA_KEYS;      // keys per shared-memory tile (32 / WPR a warp in S = QK^T)
-constexpr int PLD = KEYS + 8;       // P row stride
 
-// SW groups of WPR warps (16 query rows a group), a ring of STAGES key tiles.
-template <int SW_, int STAGES_, int WPR_>
+// SW groups of WPR warps (16 query rows a group), a ring of STAGES tiles of KEYS keys.
+template <int SW_, int STAGES_, int WPR_, int KEYS_ = MMA_KEYS>
 struct Tile {
   static constexpr int SW = SW_;
   static constexpr int STAGES = STAGES_;
   static constexpr int WPR = WPR_;
+  static constexpr int KEYS = KEYS_;     // keys a shared-memory tile (KEYS / WPR a warp in S)
+  static constexpr int PLD = KEYS + 8;   // P row stride
   static constexpr int ROWS = 16 * SW;
   static constexpr int THREADS = 32 * WPR * SW;
   static constexpr size_t SMEM_Q = (size_t)ROWS * LD * 2;
@@ -47,6 +48,8 @@ struct Tile {
 using Tile64 = Tile<4, 3, 2>;
 using Tile32 = Tile<2, 3, 2>;
 using Tile16 = Tile<1, 2, 4>;
+// sm_120's 32-row tile: tiles of 16 keys, so Q and three of them fit 99 KB (95 KB).
+using Tile32k16 = Tile<2, 3, 2, 16>;
 
 // Probe builds that hold Hopper to sm_120's tiles (docs/kernels/verify_attention.md, session
 // 83): KD_MMA_SMEM_OPTIN caps the shared memory a block may take (sm_120: 101,376 bytes), and
@@ -77,7 +80,7 @@ __device__ __forceinline__ void group_barrier(int group) {
 template <class T>
 __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* table, int k0, int end,
                                              __nv_bfloat16* tile) {
-  constexpr int WARPS = T::THREADS / 32;
+  constexpr int WARPS = T::THREADS / 32, KEYS = T::KEYS;
   constexpr int RW = KEYS / WARPS;  // rows per warp: 16, 8 or 4
   static_assert(RW * CHUNKS % 32 == 0, "whole 32-lane steps");
   const int lane = threadIdx.x & 31, r0 = (threadIdx.x >> 5) * RW;
@@ -104,6 +107,7 @@ __device__ __forceinline__ void load_kv_tile(const Params& p, const int32_t* tab
 template <class T, bool PER_REQUEST>
 __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attention_kernel(Params p) {
   constexpr int ROWS = T::ROWS, THREADS = T::THREADS, SW = T::SW, STAGES = T::STAGES, WPR = T::WPR;
+  constexpr int KEYS = T::KEYS, PLD = T::PLD;
   constexpr int KW = KEYS / WPR;     // a warp's keys in S: 16 or 8
   constexpr int NB = KW / 8;         // its 8-key blocks
   constexpr int OJ = V_DIM / WPR / 8;  // its 8-column blocks of O: 32 or 16
@@ -250,7 +254,7 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
     rescale_rows<OJ>(alpha, o_at);
     group_barrier<WPR>(group);  // every part of P is in shared memory
 
-    // O += P V over this warp's 8 * OJ columns (all 32 keys of the tile).
+    // O += P V over this warp's 8 * OJ columns (all KEYS keys of the tile).
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
       uint32_t a[4];
@@ -286,12 +290,12 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 namespace kd {
 namespace {
 
-// Calls f with a value of the mma.sync tile type of `rows` query rows.
+// Calls f with a value of the mma.sync tile type of `rows` query rows and `keys` a key tile.
 template <class F>
-int with_tile(int rows, F f) {
+int with_tile(int rows, int keys, F f) {
   switch (rows) {
     case Tile64::ROWS: return f(Tile64{});
-    case Tile32::ROWS: return f(Tile32{});
+    case Tile32::ROWS: return keys == Tile32k16::KEYS ? f(Tile32k16{}) : f(Tile32{});
     default: return f(Tile16{});
   }
 }
@@ -325,23 +329,24 @@ int launch(const Params& p, int B, cudaStream_t st) {
 
 // The fewest mma.sync rows that cover R (no idle warps on small trees), as far as the
 // device's shared memory per block allows.
-int verify_mma_rows(const DeviceFacts& d, int R) {
+MmaTile verify_mma_tile(const DeviceFacts& d, int R) {
   const size_t room = std::min((size_t)d.smem_optin, (size_t)KD_MMA_SMEM_OPTIN);
-  if (R > 32 && room >= Tile64::SMEM_BYTES) return Tile64::ROWS;
-  if (R > 16 && room >= Tile32::SMEM_BYTES) return Tile32::ROWS;
-  return Tile16::ROWS;
+  if (R > 32 && room >= Tile64::SMEM_BYTES) return {Tile64::ROWS, Tile64::KEYS};
+  if (R > 16 && room >= Tile32::SMEM_BYTES) return {Tile32::ROWS, Tile32::KEYS};
+  if (R > 16 && room >= Tile32k16::SMEM_BYTES) return {Tile32k16::ROWS, Tile32k16::KEYS};
+  return {Tile16::ROWS, Tile16::KEYS};
 }
 
-int verify_mma_wave(const DeviceFacts& d, int rows, int* ctas) {
+int verify_mma_wave(const DeviceFacts& d, MmaTile tile, int* ctas) {
   int per_sm = 0;
-  const int err = with_tile(rows, [&](auto tile) { return ctas_per_sm<decltype(tile)>(&per_sm); });
+  const int err = with_tile(tile.rows, tile.keys, [&](auto t) { return ctas_per_sm<decltype(t)>(&per_sm); });
   if (err) return err;
   *ctas = d.sms * (per_sm > 0 ? per_sm : 1);
   return 0;
 }
 
-int launch_verify_mma(const VerifyParams& p, int rows, int B, cudaStream_t st) {
-  return with_tile(rows, [&](auto tile) { return launch<decltype(tile)>(p, B, st); });
+int launch_verify_mma(const VerifyParams& p, MmaTile tile, int B, cudaStream_t st) {
+  return with_tile(tile.rows, tile.keys, [&](auto t) { return launch<decltype(t)>(p, B, st); });
 }
 
 }  // namespace kd

@@ -368,10 +368,13 @@ int verify_wgmma_copy_path(int page_size, int path);
 bool verify_wgmma_merges(int device, int B, int R, int copy, int num_splits, int path);
 // The mma.sync kernel's host side (verify_attention.cu): the rows a CTA takes for R query
 // rows on this device, CTAs resident at once with that tile, and its launcher.
-int verify_mma_rows(const DeviceFacts& d, int R);
-int verify_mma_wave(const DeviceFacts& d, int rows, int* ctas);
-int launch_verify_mma(const VerifyParams& p, int rows, int B, cudaStream_t st);
-constexpr int MMA_KEYS = 32;  // keys per shared-memory tile of the mma.sync kernel
+struct MmaTile {
+  int rows, keys;  // query rows a CTA, keys a shared-memory tile
+};
+MmaTile verify_mma_tile(const DeviceFacts& d, int R);
+int verify_mma_wave(const DeviceFacts& d, MmaTile tile, int* ctas);
+int launch_verify_mma(const VerifyParams& p, MmaTile tile, int B, cudaStream_t st);
+constexpr int MMA_KEYS = 32;  // keys per shared-memory tile of the mma.sync kernel (16 in one tile: verify_attention.cu)
 #ifdef KD_VERIFY_PROFILE
 extern long long* g_stamps;  // kd_verify_profile_buffer
 #endif

@@ -162,10 +162,11 @@ extern "C" int kd_verify_plan_make(int B, int D, int H, int page_size, int max_p
 #endif
   } else {
     pl.kernel = 0;
-    pl.rows_per_cta = kd::verify_mma_rows(*d, R);
-    pl.keys_per_tile = kd::MMA_KEYS;
+    const kd::MmaTile tile = kd::verify_mma_tile(*d, R);
+    pl.rows_per_cta = tile.rows;
+    pl.keys_per_tile = tile.keys;
     pl.copy = 0;
-    rc = kd::verify_mma_wave(*d, pl.rows_per_cta, &wave);
+    rc = kd::verify_mma_wave(*d, tile, &wave);
   }
   if (rc) return rc;
   const int row_tiles = kd::ceil_div(R, pl.rows_per_cta);
@@ -252,7 +253,7 @@ extern "C" int kd_verify_run(const kd_verify_plan* plan, const void* q, const vo
   if (plan->kernel == 1) rc = kd::launch_verify_wgmma(p, plan->B, st, plan->copy, plan->merge == 1, &merged);
   else
 #endif
-    rc = kd::launch_verify_mma(p, plan->rows_per_cta, plan->B, st);
+    rc = kd::launch_verify_mma(p, {plan->rows_per_cta, plan->keys_per_tile}, plan->B, st);
   if (rc) return rc;
   if (plan->num_splits == 1 || merged) return 0;
   // A tail plan's main row tiles wrote their own rows: the combine takes the last row tile's.
