@@ -876,6 +876,29 @@ def test_verify_attention_matches_reference(ops, verify_path, prefixes, D, H, pa
     check_attention(ops, case, kernel=verify_path)
 
 
+# sm_120's 32-row tile of 16-key slots (verify v27), which a block of 99 KB takes: kd_verify_run
+# launches the tile its plan names, so a plan told (32 rows, 16 keys) runs it on any GPU.
+@pytest.mark.parametrize("prefixes,D,H,page,num_splits", [
+    ([0, 37, 300, 2049], 3, 8, 64, None),  # 24 rows: one tile a request
+    ([5, 1000], 33, 8, 1, None),           # 264 rows: 9 tiles, the last part full; page size 1
+    ([4100, 0, 129], 17, 8, 64, 3),        # forced splits, P = 0
+])
+def test_verify_attention_tile_of_16_key_slots(ops, prefixes, D, H, page, num_splits):
+    case = paged_case(prefixes, D, H, page, seed=D + H + page, device=DEV)
+    B = len(prefixes)
+    pl = ops.TreeVerifyPlan(B, D, H, page, case.block_table.shape[1], kernel="mma_sync", num_splits=num_splits)
+    pl._plan.rows_per_cta, pl._plan.keys_per_tile = 32, 16
+    out = torch.full((B, D, H, 512), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((B, D, H), float("nan"), dtype=torch.float32, device=DEV)
+    pl.run(case.q, case.kv_cache, case.block_table, case.seq_lens, case.visibility, SCALE,
+           out=ops.TreeVerifyResult(out, lse))
+    ref_o, ref_l = verify_attention_ref(case.q, case.kv_cache, case.block_table, case.seq_lens,
+                                        case.visibility, SCALE)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out.double() - ref_o).norm() / ref_o.norm() <= 5e-3
+    assert (lse.double() - ref_l).abs().max() <= 1e-3
+
+
 def ramp_keys(case, per_key: float):
     """Scales each request's key at position pos by 1 + pos * per_key, in place: every row's
     maximum then climbs through the keys, so the running maximum is raised deep into a split."""
