@@ -9,7 +9,9 @@ each shape.
 --plan-keys N makes every plan for block tables of N keys (padded with page 0) while each
 request holds only its prefix and slots: a plan for longer requests than the batch's, as the
 SGLang drop-in plans for the server's context length. --per-request adds that plan with
-per_request_splits (each request its own count), as the drop-in makes it.
+per_request_splits (each request its own count), as the drop-in makes it. --kernel forces a
+kernel for every plan (`--kernel mma_sync --splits` times that kernel's own plans alone: with
+a build held to sm_120's tiles, docs/kernels/README.md, the stand-in for sm_120).
 """
 import argparse
 
@@ -33,7 +35,8 @@ def main():
     a.add_argument("--prefixes", type=int, nargs="+", default=[8192, 32768])
     a.add_argument("--batches", type=int, nargs="+", default=[16])
     a.add_argument("--page", type=int, default=64)
-    a.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    a.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    a.add_argument("--kernel", default="auto", choices=ops.VERIFY_KERNELS, help="the kernel every plan takes")
     a.add_argument("--plan-keys", type=int, default=0, help="plan for tables of this many keys (0: the batch's)")
     a.add_argument("--per-request", action="store_true", help="also time the plan with per-request split counts")
     args = a.parse_args()
@@ -57,8 +60,8 @@ def main():
                     specs += [(None, True)] if args.per_request else []
                     plans, fns = [], []
                     for s, per_request in specs:
-                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], num_splits=s,
-                                                  per_request_splits=per_request)
+                        plan = ops.TreeVerifyPlan(B, D, H, args.page, table.shape[1], kernel=args.kernel,
+                                                  num_splits=s, per_request_splits=per_request)
                         out = plan.run(q, cache, table, seq, vis, 0.130861)
                         plans.append(plan)
                         fns.append(lambda plan=plan, out=out, next_cache=rotation(caches):
@@ -71,7 +74,8 @@ def main():
                                          plan_keys=table.shape[1] * args.page, forced=s or 0,
                                          per_request=per_request, num_splits=plan.num_splits,
                                          split_base=plan.split_base, tail=getattr(plan, "tail", False),
-                                         kernel=plan.name,
+                                         kernel=plan.name, rows_per_cta=plan.rows_per_cta,
+                                         keys_per_tile=plan.keys_per_tile,
                                          merge=plan.merge, floor_us=floor_us(B, D, H, P),
                                          copy_fraction=nbytes / (t["median_us"] * 1e-6) / (copy_gbps * 1e9),
                                          timing=ALTERNATING, **t))

@@ -72,6 +72,10 @@ COVERED = {
     "scripts/tail_probe.py": ("gpu", "session 82's probe on an H100 (ab/run200.sh; docs/kernels/verify_attention.md, "
                                      "v25)"),
     "scripts/tail_probe.py OUT.parquet": ("gpu", "the entry above's form"),
+    "scripts/split_scan.py --kernel mma_sync --splits": ("gpu", "the entry below's form"),
+    "scripts/split_scan.py OUT.parquet --kernel mma_sync --splits": (
+        "gpu", "what ab/mma_probe.py timed for verify v26 and v27 on an H100 (session 83, ab/run304.sh, ab/run307.sh); "
+               "the option itself not yet run"),
     "scripts/tail_probe.py --tail-kernels mma_sync": ("gpu", "session 83's probe on an H100 (ab/run300.sh; "
                                                              "docs/kernels/verify_attention.md, session 83)"),
     "scripts/tail_schedule_sim.py": ("run", "test_the_gated_rule_is_never_slower_in_the_model "
