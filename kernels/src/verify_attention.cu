@@ -42,9 +42,9 @@ struct Tile {
   static constexpr size_t SMEM_BYTES = SMEM_Q + STAGES * SMEM_KV + SMEM_P + 2 * WPR * ROWS * sizeof(float);
 };
 // Hopper (227 KB per block): 64 or 32 rows with a 3-deep ring (193 / 153 KB).
-// 16 rows (small trees; all of sm_120, 99 KB per block): double buffered, 95 KB, on four
-// warps: sm_120 holds one such CTA an SM, whose four sub-partitions each need a warp to
-// issue to their tensor core (two CTAs share a Hopper SM).
+// 16 rows (trees of at most 16 rows; sm_120's 99 KB a block holds no larger tile of 32-key
+// slots): double buffered, 95 KB, on four warps: sm_120 holds one such CTA an SM, whose four
+// sub-partitions each need a warp to issue to their tensor core (two CTAs share a Hopper SM).
 using Tile64 = Tile<4, 3, 2>;
 using Tile32 = Tile<2, 3, 2>;
 using Tile16 = Tile<1, 2, 4>;
@@ -328,7 +328,7 @@ int launch(const Params& p, int B, cudaStream_t st) {
 }  // namespace
 
 // The fewest mma.sync rows that cover R (no idle warps on small trees), as far as the
-// device's shared memory per block allows.
+// device's shared memory per block allows, with their key slots (16 keys where 32 do not fit).
 MmaTile verify_mma_tile(const DeviceFacts& d, int R) {
   const size_t room = std::min((size_t)d.smem_optin, (size_t)KD_MMA_SMEM_OPTIN);
   if (R > 32 && room >= Tile64::SMEM_BYTES) return {Tile64::ROWS, Tile64::KEYS};

@@ -115,13 +115,6 @@ __host__ __device__ inline long long split_cost(int ctas, int wave, long long ro
          (s > 1 ? s * rows : 0);
 }
 
-// The splits a request of `tiles` key tiles takes where the plan's count was chosen for its
-// longest request (split_base > 0): the least costly count from split_base up to the plan's
-// for this request's own length; a short request leaves the later splits empty. Lane i
-// weighs split_base + i (past the fill at most MAX_SPLITS_PAST_FILL counts, one a lane) and
-// the warp takes the least, ties to fewer splits: a loop over the counts cost every warp of
-// every CTA a few hundred instructions. Not inlined, and scalars only: inlined, its 64-bit
-// costs made the wgmma kernel spill. Call with the whole warp.
 // The count s of least cost c over the warp's lanes, ties to fewer splits (a lane without a
 // count passes the largest cost). Call with the whole warp.
 __device__ __forceinline__ int warp_least_splits(int s, long long c) {
@@ -133,6 +126,13 @@ __device__ __forceinline__ int warp_least_splits(int s, long long c) {
   return s;
 }
 
+// The splits a request of `tiles` key tiles takes where the plan's count was chosen for its
+// longest request (split_base > 0): the least costly count from split_base up to the plan's
+// for this request's own length; a short request leaves the later splits empty. Lane i
+// weighs split_base + i (past the fill at most MAX_SPLITS_PAST_FILL counts, one a lane) and
+// the warp takes the least, ties to fewer splits: a loop over the counts cost every warp of
+// every CTA a few hundred instructions. Not inlined, and scalars only: inlined, its 64-bit
+// costs made the wgmma kernel spill. Call with the whole warp.
 static __device__ __noinline__ int request_splits(int split_base, int num_splits, int ctas, int wave, long long rows,
                                                   int tiles) {
   const int s = split_base + (int)(threadIdx.x & 31);
@@ -366,15 +366,16 @@ int launch_verify_wgmma(const VerifyParams& p, int B, cudaStream_t st, int copy,
 size_t verify_wgmma_smem_bytes();
 int verify_wgmma_copy_path(int page_size, int path);
 bool verify_wgmma_merges(int device, int B, int R, int copy, int num_splits, int path);
-// The mma.sync kernel's host side (verify_attention.cu): the rows a CTA takes for R query
-// rows on this device, CTAs resident at once with that tile, and its launcher.
+// The mma.sync kernel's host side (verify_attention.cu): the tile (rows a CTA, keys a slot)
+// for R query rows on this device, CTAs resident at once with that tile, and its launcher.
 struct MmaTile {
   int rows, keys;  // query rows a CTA, keys a shared-memory tile
 };
 MmaTile verify_mma_tile(const DeviceFacts& d, int R);
 int verify_mma_wave(const DeviceFacts& d, MmaTile tile, int* ctas);
 int launch_verify_mma(const VerifyParams& p, MmaTile tile, int B, cudaStream_t st);
-constexpr int MMA_KEYS = 32;  // keys per shared-memory tile of the mma.sync kernel (16 in one tile: verify_attention.cu)
+// Keys a shared-memory slot of the mma.sync kernel (16 in sm_120's 32-row tile: verify_attention.cu).
+constexpr int MMA_KEYS = 32;
 #ifdef KD_VERIFY_PROFILE
 extern long long* g_stamps;  // kd_verify_profile_buffer
 #endif
