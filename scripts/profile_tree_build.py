@@ -12,7 +12,10 @@ launch that stamps that block (kd_build_profile_block). Stamps are clock64 at ph
 time; after an overflow, level_bound ends at 32 (lbound, written also where it did not run)
 and raise_tau at 21; slots 10-15 are the merge levels (run 32 .. 1024), which reuse 14 (the
 start bound's end); 16 the start bound's setup and 17, 18 its rounds (each before the round's
-barrier); narrowD the end of narrow level D (warp 0's levels, D 1-7, 10 and 13).
+barrier); narrowD the end of narrow level D (warp 0's levels, D 1-7, 10 and 13); 33 past the
+deep-tree gate, 34 the deviation bound's chain sums shared; the warp-a-depth one-deviation
+layout's start (35), chain counted (36), lines counted (37), chain nodes stored (38) and
+thread 0's lines written (39; `selected` follows the barrier).
 Host raises and candidates come from the host twin of the selection.
 """
 import argparse
@@ -27,11 +30,13 @@ from kdtree.harness.sweeps.tree_build import point_seed
 from kdtree.harness.workloads import DRAFTS, stage_a_inputs
 from tree_build_host_twin import load, select  # this folder's
 
-SLOTS = 33  # KD_PROF_SLOTS in kernels/src/tree_views.cuh
+SLOTS = 40  # KD_PROF_SLOTS in kernels/src/tree_views.cuh
 SLOT_NAMES = {0: "start", 1: "staged", 14: "bound", 23: "levels", 24: "overflow", 32: "lbound", 21: "raised",
               22: "compacted", 2: "selected", 3: "rank_setup", 9: "ranked", 5: "popped", 6: "slots",
               7: "bits_setup", 8: "end", 19: "narrow10", 20: "narrow13",
-              **{24 + d: f"narrow{d}" for d in range(1, 8)}}
+              **{24 + d: f"narrow{d}" for d in range(1, 8)},
+              33: "gated", 34: "chain_shared", 35: "layout", 36: "lay_counted", 37: "lay_walked",
+              38: "lay_chain", 39: "lay_lines"}
 
 
 def host_stats(twin, lp, budget, linear_raise):

@@ -75,7 +75,7 @@ COVERED = {
     "scripts/split_scan.py --kernel mma_sync --splits": ("gpu", "the entry below's form"),
     "scripts/split_scan.py OUT.parquet --kernel mma_sync --splits": (
         "gpu", "what ab/mma_probe.py timed for verify v26 and v27 on an H100 (session 83, ab/run304.sh, ab/run307.sh); "
-               "the option itself not yet run"),
+               "the option's first run: session 84, ab/run401.sh, on the build held to sm_120's tiles"),
     "scripts/tail_probe.py --tail-kernels mma_sync": ("gpu", "session 83's probe on an H100 (ab/run300.sh; "
                                                              "docs/kernels/verify_attention.md, session 83)"),
     "scripts/tail_schedule_sim.py": ("run", "test_the_gated_rule_is_never_slower_in_the_model "
@@ -85,6 +85,8 @@ COVERED = {
     "scripts/profile_tree_build.py": ("gpu", "a profile build on the H200; its first form made the session-22 "
                                              "phase list in docs/kernels/tree_build.md (refusing other builds: "
                                              "tests/test_kernel_host.py)"),
+    "scripts/profile_tree_build.py --drafts confident": ("gpu", "session 84's layout profile on an H100 "
+                                                               "(ab/run402.sh; docs/kernels/tree_build.md, v14)"),
     "ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats "
     "--section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64":
         ("gpu", "session 31's stall sampling on the H200 (docs/kernels/tree_build.md)"),

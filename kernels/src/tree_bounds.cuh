@@ -186,6 +186,7 @@ __device__ double deviation_bound_device(const Threshold& t, int L, int keff, in
   const int top = pow2_at_most(keff - 1);
   // Lane d: chain(d), the heap's sum to node 0^d (chain(L) on lane L; L <= 16).
   share_chain_sums(t, L, tid);
+  KD_PROF(34);
   const double c = chain_at(t, min(lane, KEY_DEPTH));
   // This lane's pairs: row a and the approximate sum around lp[a][r].
   int row_of[START_SLOTS];

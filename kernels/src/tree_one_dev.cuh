@@ -54,8 +54,10 @@ KD_HD void write_one_dev_key(const Threshold& t, int i) {
 #ifdef __CUDA_ARCH__
 // The line of deviation 0^a r (parent chain(a) = ca): visit(-1, ...) for 0^a r itself, then
 // visit(k, parent score, x, score) for each first child k = 0, 1, .. scoring >= tau, over the
-// rows' staged first two log-probs x0, x1. Returns how many, or -1 where a node on it has a
-// rank-1 child >= tau (a second deviation).
+// rows' staged first two log-probs x0, x1 (-inf past depth L). Returns how many, or -1 where
+// a node on it has a rank-1 child >= tau (a second deviation). Every depth's pair is loaded
+// and the steps are predicated, not skipped: no load then waits on the line's last compare,
+// and the line's dependent chain is its adds alone.
 template <class Visit>
 __device__ __forceinline__ int one_dev_walk(const Threshold& t, const double* x0, const double* x1, int L,
                                             double tau, int a, int r, double ca, Visit&& visit) {
@@ -66,11 +68,12 @@ __device__ __forceinline__ int one_dev_walk(const Threshold& t, const double* x0
   int below = 0;
 #pragma unroll
   for (int j = 1; j < KEY_DEPTH; ++j) {
-    if (!on || j <= a || j >= L) continue;
     const double y0 = x0[j], y1 = x1[j], next = KD_DADD(sc, y0);
-    two |= KD_DADD(sc, y1) >= tau;
-    on = next >= tau;
-    if (on) {
+    const bool live = j > a && j < L;  // the line's depths (warp-uniform)
+    two |= on && live && KD_DADD(sc, y1) >= tau;
+    const bool step = on && live && next >= tau;
+    if (live) on = step;
+    if (step) {
       visit(below, sc, y0, next);
       sc = next;
       ++below;
@@ -125,8 +128,10 @@ __device__ __forceinline__ void one_dev_count_chain(const Threshold& t, int L, i
   if (lane < L) {
     cnt[lane] = n;
     first[lane] = 1 + incl - n;
-    x0[lane] = (double)t.lp[lane * t.ld];
-    x1[lane] = keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
+  }
+  if (lane < KEY_DEPTH) {  // the walks read every depth's pair
+    x0[lane] = lane < L ? (double)t.lp[lane * t.ld] : -INFINITY;
+    x1[lane] = lane < L && keff > 1 ? (double)t.lp[lane * t.ld + 1] : -INFINITY;
   }
   if (lane == 31) *kids = incl;
 }
@@ -141,10 +146,12 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   int* lines = first + KEY_DEPTH;          // [L] nodes below 0^a's deviations
   int* kids = lines + KEY_DEPTH;           // the chain nodes' children, all
   double* cs = reinterpret_cast<double*>(t.items);  // chain(0 .. L), over the sort items (free here)
-  double* x0 = cs + KEY_DEPTH + 1;                  // [L] each row's rank-0 log-prob
-  double* x1 = x0 + KEY_DEPTH;                      // [L] its rank-1 one (-inf for rows of one)
+  double* x0 = cs + KEY_DEPTH + 1;                  // [KEY_DEPTH] each row's rank-0 log-prob (-inf past L)
+  double* x1 = x0 + KEY_DEPTH;                      // [KEY_DEPTH] its rank-1 one (-inf for rows of one)
+  KD_PROF(35);
   if (tid < 32) one_dev_count_chain<false>(t, L, keff, tau, lane, cnt, first, kids, nullptr, cs, x0, x1);
   __syncthreads();
+  KD_PROF(36);
   const int chain_kids = *kids;
   if (1 + chain_kids > t.cap) return -1;
   const int n = a < L ? cnt[a] : 0;  // warp-uniform
@@ -164,12 +171,14 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
   }
   if (lane == 0 && a < L) lines[a] = mine;
   if (__syncthreads_or(two)) return -1;
+  KD_PROF(37);
   const int ln = lane < L ? lines[lane] : 0;
   const int incl = warp_inclusive_scan(ln, lane);
   const int total = 1 + chain_kids + __shfl_sync(FULL_MASK, incl, 31);
   if (total > t.cap) return -1;
   int at = 1 + chain_kids + __shfl_sync(FULL_MASK, incl - ln, a & 31);  // warp a's first line node
   one_dev_store_chain(t, L, cnt, first, cs, x0, tid);
+  KD_PROF(38);
   for (int r0 = 1; r0 < n; r0 += 32) {
     const int r = r0 + lane;
     const int below = r0 == 1 ? below_first : r < n ? walk(r, [](int, double, double, double) {}) : 0;
@@ -178,6 +187,7 @@ __device__ int one_deviation_layout_device(const Threshold& t, int L, int keff, 
     if (r < n) one_dev_write_line(t, x0, x1, first, L, tau, a, r, ca, i, parent);
     at += __shfl_sync(FULL_MASK, end, 31);
   }
+  KD_PROF(39);
   __syncthreads();  // the nodes before their keys (written over the rows)
   return total;
 }

@@ -73,6 +73,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   const bool deep = KD_DEEP_GATE && L >= DEEP_CHAIN &&
                     (wide ? !chain_start || keff <= DEEP_KEFF_MAX : start == START_DEEP) &&
                     deep_chain(t, tau);
+  KD_PROF(33);
   if ((chain_start || deep) && (long long)L * keff >= budget)
     tau = keff < budget || (deep && wide) ? deviation_bound<WIDE>(t, L, keff, budget, tau, tid, nthreads)
                                           : chain_bound(t, L, keff, budget, tau, tid, nthreads);

@@ -16,7 +16,7 @@ namespace kd {
 // Profile builds (-DKD_BUILD_PROFILE): one block (g_prof_block, 0 unless chosen) stamps
 // clock64() at phase ends.
 #ifdef KD_BUILD_PROFILE
-constexpr int KD_PROF_SLOTS = 33;  // scripts/profile_tree_build.py reads as many
+constexpr int KD_PROF_SLOTS = 40;  // scripts/profile_tree_build.py reads as many
 __device__ long long g_prof[KD_PROF_SLOTS];
 __constant__ int g_prof_block;  // constant: the stamps' test costs no global load
 constexpr int KD_PROF_BLOCKS = 256;
