@@ -290,12 +290,12 @@ __global__ void __launch_bounds__(T::THREADS, T::SW == 1 ? 2 : 1) verify_attenti
 namespace kd {
 namespace {
 
-// Calls f with a value of the mma.sync tile type of `rows` query rows and `keys` a key tile.
+// Calls f with a value of the mma.sync tile type that `tile` names.
 template <class F>
-int with_tile(int rows, int keys, F f) {
-  switch (rows) {
+int with_tile(MmaTile tile, F f) {
+  switch (tile.rows) {
     case Tile64::ROWS: return f(Tile64{});
-    case Tile32::ROWS: return keys == Tile32k16::KEYS ? f(Tile32k16{}) : f(Tile32{});
+    case Tile32::ROWS: return tile.keys == Tile32k16::KEYS ? f(Tile32k16{}) : f(Tile32{});
     default: return f(Tile16{});
   }
 }
@@ -339,14 +339,14 @@ MmaTile verify_mma_tile(const DeviceFacts& d, int R) {
 
 int verify_mma_wave(const DeviceFacts& d, MmaTile tile, int* ctas) {
   int per_sm = 0;
-  const int err = with_tile(tile.rows, tile.keys, [&](auto t) { return ctas_per_sm<decltype(t)>(&per_sm); });
+  const int err = with_tile(tile, [&](auto t) { return ctas_per_sm<decltype(t)>(&per_sm); });
   if (err) return err;
   *ctas = d.sms * (per_sm > 0 ? per_sm : 1);
   return 0;
 }
 
 int launch_verify_mma(const VerifyParams& p, MmaTile tile, int B, cudaStream_t st) {
-  return with_tile(tile.rows, tile.keys, [&](auto t) { return launch<decltype(t)>(p, B, st); });
+  return with_tile(tile, [&](auto t) { return launch<decltype(t)>(p, B, st); });
 }
 
 }  // namespace kd
