@@ -55,29 +55,29 @@ KD_HD void write_one_dev_key(const Threshold& t, int i) {
 // The line of deviation 0^a r (parent chain(a) = ca): visit(-1, ...) for 0^a r itself, then
 // visit(k, parent score, x, score) for each first child k = 0, 1, .. scoring >= tau, over the
 // rows' staged first two log-probs x0, x1 (-inf past depth L). Returns how many, or -1 where
-// a node on it has a rank-1 child >= tau (a second deviation). Every depth's pair is loaded
-// and the steps are predicated, not skipped: no load then waits on the line's last compare,
-// and the line's dependent chain is its adds alone.
+// a node on it has a rank-1 child >= tau (a second deviation). Rank-0 log-probs are <= 0 and
+// rounding is monotonic, so the line's sums never rise: those >= tau are a prefix, and a
+// rank-1 child (<= its rank-0 sibling) reaches tau only where that sibling does. So every
+// depth's step is taken and counted, with no test on the one before: the line's only
+// dependent chain is its adds.
 template <class Visit>
 __device__ __forceinline__ int one_dev_walk(const Threshold& t, const double* x0, const double* x1, int L,
                                             double tau, int a, int r, double ca, Visit&& visit) {
   const double x = (double)t.lp[a * t.ld + r];
   double sc = KD_DADD(ca, x);
   visit(-1, ca, x, sc);
-  bool on = true, two = false;
+  bool two = false;
   int below = 0;
 #pragma unroll
   for (int j = 1; j < KEY_DEPTH; ++j) {
     const double y0 = x0[j], y1 = x1[j], next = KD_DADD(sc, y0);
     const bool live = j > a && j < L;  // the line's depths (warp-uniform)
-    two |= on && live && KD_DADD(sc, y1) >= tau;
-    const bool step = on && live && next >= tau;
-    if (live) on = step;
-    if (step) {
+    two |= live & (KD_DADD(sc, y1) >= tau);
+    if (live & (next >= tau)) {
       visit(below, sc, y0, next);
-      sc = next;
       ++below;
     }
+    if (live) sc = next;
   }
   return two ? -1 : below;
 }
