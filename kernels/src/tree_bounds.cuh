@@ -287,6 +287,14 @@ inline double deviation_bound(const Threshold& t, int L, int keff, int budget, d
 
 
 
+// The chain's sums shared for the one-deviation layout where no start bound shared them
+// (the device layout reads them with chain_at; the host twin sums them itself).
+#ifdef __CUDA_ARCH__
+__device__ inline void share_chain_for_layout(const Threshold& t, int L, int tid) { share_chain_sums(t, L, tid); }
+#else
+inline void share_chain_for_layout(const Threshold&, int, int) {}
+#endif
+
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.

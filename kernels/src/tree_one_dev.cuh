@@ -117,7 +117,7 @@ template <bool Dealt>
 __device__ __forceinline__ void one_dev_count_chain(const Threshold& t, int L, int keff, double tau, int lane,
                                                     int* cnt, int* first, int* kids, int* devs, double* cs,
                                                     double* x0, double* x1) {
-  const double c = chain_sums(t, L, min(lane, L));
+  const double c = chain_at(t, min(lane, L));  // shared by the start bound or for the layout
   const int n = lane < L && c >= tau ? count_children(t.lp + lane * t.ld, keff, c, tau) : 0;
   const int incl = warp_inclusive_scan(n, lane), d = n > 1 ? n - 1 : 0;
   const int dincl = Dealt ? warp_inclusive_scan(d, lane) : 0;

@@ -74,7 +74,11 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
                     (wide ? !chain_start || keff <= DEEP_KEFF_MAX : start == START_DEEP) &&
                     deep_chain(t, tau);
   KD_PROF(33);
-  if ((chain_start || deep) && (long long)L * keff >= budget)
+  const bool bound = (chain_start || deep) && (long long)L * keff >= budget;
+  // A start bound shares chain(0 .. L), unless the block is too small for its pivots (both
+  // need at most 32 * START_PIVOTS threads); the one-deviation layout reads them.
+  const bool chain_shared = bound && nthreads >= 32 * START_PIVOTS;
+  if (bound)
     tau = keff < budget || (deep && wide) ? deviation_bound<WIDE>(t, L, keff, budget, tau, tid, nthreads)
                                           : chain_bound(t, L, keff, budget, tau, tid, nthreads);
   KD_PROF(14);
@@ -94,6 +98,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // drafters, after walking lines of up to K deviations (1.03-1.22x the time).
   const bool one_dev = KD_ONE_DEV_LAYOUT && WIDE && keff == budget &&
                        (deep || (!wide && start != START_DEEP && L >= DEEP_CHAIN && deep_chain(t, tau)));
+  if (one_dev && !chain_shared) share_chain_for_layout(t, L, tid);
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   const bool laid_out = le > 0;
   if (stats && tid == 0) stats[2] = laid_out;
