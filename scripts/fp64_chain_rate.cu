@@ -1,5 +1,5 @@
 // Cycles a step of a dependent chain costs on this GPU, for the tree build's double-precision
-// sums (docs/kernels/tree_build.md, v14: its stamps fit ~50-60 cycles a dependent double add):
+// sums (docs/kernels/tree_build.md, v14 fitted ~50-60 cycles a dependent double add; v15: ~8):
 // __dadd_rn chains, the one-deviation walk's step (add, compare, select, count), and float
 // adds beside them; one warp alone, then the build's 16 warps of one CTA at once.
 //
