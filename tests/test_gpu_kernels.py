@@ -14,7 +14,7 @@ from kdtree.checks import NEG_INF_FLOOR, InputError
 from kdtree.reference.tree import build_trees, greedy_accept_batch, greedy_accept_parents_batch, pack_visibility
 from kdtree.harness.timing import capture_graph
 from kdtree.harness.workloads import (TREE_POISON, follow_targets, paged_case, poisoned_accept, poisoned_trees,
-                                      stage_a_inputs, widened_table)
+                                      stage_a_inputs, tied_one_deviation_rows, widened_table)
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -171,6 +171,16 @@ def test_tree_build_on_deep_trees(ops, budget, K):
         lp, ids = stage_a_inputs(B, 15, 8192, K, seed=B + budget, drafts="confident")
         _, st = gpu_vs_cpu(ops, lp, ids, np.full(B, budget), np.arange(B), np.arange(B))
         assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0, B
+
+
+@pytest.mark.parametrize("budget", [16, 64, 128, 256])
+def test_tree_build_on_deep_trees_with_tied_scores(ops, budget):
+    """A confident drafter's one-deviation trees with many equal scores (rows rounded to
+    quarter units): the layout's one-word keys order the ties as the heap does."""
+    lp, ids = stage_a_inputs(16, 15, 8192, budget, seed=3 * budget, drafts="confident")
+    _, st = gpu_vs_cpu(ops, tied_one_deviation_rows(lp, 0.25), ids, np.full(16, budget), np.arange(16),
+                       np.arange(16))
+    assert int((st & ops.STATUS_WARP_LOOP).count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("K", [40, 50, 64, 100])

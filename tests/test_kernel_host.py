@@ -15,7 +15,7 @@ import pytest
 from kdtree import build as kbuild
 from kdtree.checks import InputError
 from kdtree.reference.tree import build_tree
-from kdtree.harness.workloads import stage_a_inputs
+from kdtree.harness.workloads import stage_a_inputs, tied_one_deviation_rows
 
 pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 
@@ -459,6 +459,21 @@ def test_threshold_selection_one_deviation_layout(lib, linear_raise, budget, sec
         assert laid >= 6, laid   # laid out at once (a request past the buffer may still decline)
     else:
         assert laid <= 4, laid   # nodes two deviations off the chain: most decline
+
+
+@pytest.mark.parametrize("budget", [16, 64, 128, 256])
+@pytest.mark.parametrize("step", [1 / 4, 1 / 64])
+def test_threshold_selection_one_deviation_layout_with_ties(lib, budget, step):
+    """Laid-out trees whose nodes tie in score: their order is the path keys' order, which
+    the layout's one-word keys must keep (chain nodes first, then deeper deviations)."""
+    lp, ids = stage_a_inputs(8, 15, 8192, budget, seed=budget + int(1 / step), drafts="confident")
+    lp = tied_one_deviation_rows(lp, step)
+    laid = 0
+    for b in range(8):
+        n, stats = assert_threshold_equals_heap(lib, lp[b].numpy(), ids[b].numpy(), budget, 1)
+        assert n == budget, b
+        laid += int(stats[2])
+    assert laid >= 6, laid
 
 
 @pytest.mark.parametrize("budget,K", [(64, 64), (256, 256), (1024, 256)])

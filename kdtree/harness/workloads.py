@@ -71,6 +71,15 @@ def stage_a_inputs(B: int, L: int, V: int, budget_max: int, seed: int, coarse_fr
     return lp, ids
 
 
+def tied_one_deviation_rows(lp: torch.Tensor, step: float) -> torch.Tensor:
+    """Log-prob rows ``[B, L, K]`` rounded to multiples of ``step`` (many equal sums), ranks 1
+    and up at least a step below rank 0, sorted and <= 0: a confident drafter's trees lie one
+    deviation off the first-child chain with ties between their nodes' scores."""
+    x = torch.clamp(torch.round(lp.double() / step) * step, max=0.0)
+    x[..., 1:] = torch.minimum(x[..., 1:], x[..., :1] - step)
+    return torch.sort(x, dim=-1, descending=True).values.float()
+
+
 @dataclass
 class PagedCase:
     q: torch.Tensor            # bf16 [B, D, H, 576]

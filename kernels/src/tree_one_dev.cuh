@@ -28,17 +28,21 @@ KD_HD void one_dev_tag(const Threshold& t, int i, int a, int r) {
   if (KD_ONE_DEV_KEYS) one_dev_tags(t)[i] = (a << 16) | r;
 }
 
-// write_key's key for node i of a laid-out tree, from its depth and tag: digit d is rank + 1,
-// so 1 everywhere but the deviation's depth a, where it is r + 1.
+// Node i's key in a laid-out tree, from its depth and tag: one word that orders the tree's
+// nodes as their path keys do, so the ranks compare short keys (the other words zero).
+// At the first digit where a chain node 0^d and a line node differ, the chain's is 1 or
+// past its end where the line's is r + 1 or 1: chain nodes come first, by depth; then lines
+// by their deviation's depth a, deeper first (more leading 1s), then r, then depth (a line's
+// upper node is a prefix of its lower ones).
+KD_HD uint64_t one_dev_order(int depth, int a, int r) {
+  return r == 0 ? (uint64_t)depth
+                : (1ull << 30) | ((uint64_t)(KEY_DEPTH - a) << 24) | ((uint64_t)r << 5) | (uint64_t)depth;
+}
 KD_HD void write_one_dev_key(const Threshold& t, int i) {
-  const int depth = ts_depth(t.meta[i]), tag = one_dev_tags(t)[i], a = tag >> 16, r = tag & 0xffff;
+  const int tag = one_dev_tags(t)[i];
   uint64_t* k = t.keys + (size_t)i * KEY_WORDS;
-  for (int w = 0; w < KEY_WORDS; ++w) {
-    const int n = depth - 4 * w < 0 ? 0 : (depth - 4 * w > 4 ? 4 : depth - 4 * w);  // digits in word w
-    uint64_t v = n == 0 ? 0 : (0x0001000100010001ull >> (16 * (4 - n))) << (16 * (4 - n));
-    if (r > 0 && (a >> 2) == w) v += (uint64_t)r << ((3 - (a & 3)) * 16);
-    k[w] = v;
-  }
+  k[0] = one_dev_order(ts_depth(t.meta[i]), tag >> 16, tag & 0xffff);
+  k[1] = k[2] = k[3] = 0;
 }
 
 // S(tau) of a deep tree laid out at once, where no node of it lies two deviations off the

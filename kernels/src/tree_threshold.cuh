@@ -190,9 +190,12 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   // Keys (over the dead lp), then the sort of the m candidates.
   bool long_keys = false;  // a node deeper than SHORT_KEY_DEPTH: all four key words in use
   for (int i = 1 + tid; i < nS; i += nthreads) {
-    if (KD_ONE_DEV_KEYS && laid_out) write_one_dev_key(t, i);
-    else write_key(t, i);
-    long_keys |= ts_depth(t.meta[i]) > SHORT_KEY_DEPTH;
+    if (KD_ONE_DEV_KEYS && laid_out) {
+      write_one_dev_key(t, i);  // one word at any depth
+    } else {
+      write_key(t, i);
+      long_keys |= ts_depth(t.meta[i]) > SHORT_KEY_DEPTH;
+    }
     t.pos[i - 1] = 0;  // rank_sort's counters
   }
   long_keys = block_any(long_keys);  // and the barrier before the ranks
