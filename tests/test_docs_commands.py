@@ -109,7 +109,7 @@ COVERED = {
     "scripts/verify_kernel_times.py": ("gpu", "CUPTI kernel times of verify calls on the H200 (session 32, "
                                               "docs/kernels/verify_attention.md)"),
     "scripts/fp64_chain_rate.cu": ("gpu", "written in session 84 for docs/kernels/tree_build.md's double-add reading; "
-                                          "compiled there, not yet run (no device time left)"),
+                                          "first run in session 85 on an H100 (ab/run500.sh; tree_build.md, v15)"),
     "scripts/wgmma_rate.cu": ("gpu", "session 41's step rates on the H200 (docs/kernels/verify_attention.md); "
                                      "built by nvcc alone, no library"),
     "scripts/profile_verify.py": ("gpu", "a profile build on the H200 (session 27); refusing other builds: "
