@@ -76,7 +76,8 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   KD_PROF(33);
   const bool bound = (chain_start || deep) && (long long)L * keff >= budget;
   // A start bound shares chain(0 .. L), unless the block is too small for its pivots (both
-  // need at most 32 * START_PIVOTS threads); the one-deviation layout reads them.
+  // need at most 32 * START_PIVOTS threads); the one-deviation layout reads them. (Shared
+  // here for both instead, the two-CTA kernel spilled more: tree_build.md, tried.)
   const bool chain_shared = bound && nthreads >= 32 * START_PIVOTS;
   if (bound)
     tau = keff < budget || (deep && wide) ? deviation_bound<WIDE>(t, L, keff, budget, tau, tid, nthreads)
