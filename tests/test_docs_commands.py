@@ -87,6 +87,10 @@ COVERED = {
                                              "tests/test_kernel_host.py)"),
     "scripts/profile_tree_build.py --drafts confident": ("gpu", "session 84's layout profile on an H100 "
                                                                "(ab/run402.sh; docs/kernels/tree_build.md, v14)"),
+    "scripts/profile_tree_build.py --drafts mixed": ("gpu", "session 86's budget-64 profile on an H100 "
+                                                           "(ab/run602.sh; docs/kernels/tree_build.md, session 86)"),
+    "scripts/fuzz_gpu.py --seconds 300 --seed 862": ("gpu", "session 86's campaign of every op on an H100 "
+                                                          "(ab/run602.sh)"),
     "ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats "
     "--section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64":
         ("gpu", "session 31's stall sampling on the H200 (docs/kernels/tree_build.md)"),

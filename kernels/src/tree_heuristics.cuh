@@ -80,14 +80,16 @@ KD_HD constexpr Pivots make_pivots(int count, int rounds, bool squared) {
 }
 KD_HD Pivots even_pivots(int budget) { return make_pivots(START_PIVOTS, start_rounds(budget), false); }
 // Past START_ONE_ROUND_BUDGET and up to this budget the chain bound, and the one-deviation
-// bound at small batches, take one round of squared pivots (dev_pivots, chain_pivots).
+// bound up to batch DEV_ONE_ROUND_MAX_BATCH, take one round of squared pivots (dev_pivots,
+// chain_pivots).
 constexpr int SQUARED_ROUND_BUDGET = 64;
 
 // The one-deviation bound's pivots: one squared round at batches up to DEV_ONE_ROUND_MAX_BATCH
-// (one ~3.5k-cycle round less, up to ~40% more candidates: a batch's time is its slowest
-// request's, so from batch 64 the candidates' tail costs more than the round).
+// (one ~2k-cycle round less for up to ~40% more candidates, which the one-deviation layout
+// and its one-word ranks take for less than the round in a batch's slowest request; weighed
+// up to batch 64: tree_build.md, v17).
 #ifndef KD_DEV_ONE_ROUND_MAX_BATCH
-#define KD_DEV_ONE_ROUND_MAX_BATCH 16  // A/B builds: other batch edges
+#define KD_DEV_ONE_ROUND_MAX_BATCH 64  // A/B builds: other batch edges
 #endif
 constexpr int DEV_ONE_ROUND_MAX_BATCH = KD_DEV_ONE_ROUND_MAX_BATCH;
 KD_HD Pivots dev_pivots(int budget, int batch) {
