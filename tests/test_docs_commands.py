@@ -91,6 +91,11 @@ COVERED = {
                                                            "(ab/run602.sh; docs/kernels/tree_build.md, session 86)"),
     "scripts/fuzz_gpu.py --seconds 300 --seed 862": ("gpu", "session 86's campaign of every op on an H100 "
                                                           "(ab/run602.sh)"),
+    "scripts/tree_build_floor.py": ("gpu", "session 87's floor on an H100 (ab/run605.sh; "
+                                          "docs/kernels/tree_build.md, session 87)"),
+    "scripts/tree_build_floor.py OUT.parquet": ("gpu", "the entry above's form"),
+    "scripts/profile_tree_build.py --shapes 1:1:64 16:1:64": ("gpu", "session 87's budget-1 profile on an H100 "
+                                                                    "(ab/run605.sh)"),
     "ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats "
     "--section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64":
         ("gpu", "session 31's stall sampling on the H200 (docs/kernels/tree_build.md)"),

@@ -602,6 +602,20 @@ def test_profile_script_refuses_a_library_without_profile_stamps(lib_path, scrip
     assert r.returncode != 0 and f"not a profile build (-D{flag})" in r.stderr, r.stdout + r.stderr
 
 
+def test_floor_script_refuses_bad_arguments_before_any_gpu_time(tmp_path):
+    """scripts/tree_build_floor.py names what it refuses and exits before timing anything: a
+    budget below 2 (budgets 0 and 1 are its own forms), and an output path that is a folder
+    (where a GPU is visible) or a machine without one."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "tree_build_floor.py"
+    run = lambda *a: subprocess.run([sys.executable, str(path), *a], capture_output=True, text=True, timeout=120)
+    r = run(str(tmp_path / "f.parquet"), "--budgets", "1", "64")
+    assert r.returncode == 2 and "--budgets: each must be >= 2" in r.stderr, r.stdout + r.stderr
+    r = run(str(tmp_path))
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "needs a CUDA device" in r.stderr or "is a folder; expected a file path" in r.stderr, r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_host_twin_script_compares_libraries(lib_path):
     """scripts/tree_build_host_twin.py, which the design notes' host readings come from: a
     library against itself differs nowhere, and every point's candidate set holds the budget."""
