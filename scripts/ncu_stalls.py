@@ -20,13 +20,13 @@ def launch(shape: str, drafts: str) -> None:
     import torch
 
     from kdtree import ops
-    from kdtree.harness.sweeps.tree_build import point_seed
-    from kdtree.harness.workloads import DRAFTS, stage_a_inputs
+    from kdtree.harness.sweeps.tree_build import reference_inputs
+    from kdtree.harness.workloads import DRAFTS
 
     if drafts not in DRAFTS:
         raise SystemExit(f"--drafts: expected one of {DRAFTS}, got {drafts!r}")
     B, budget, K = (int(x) for x in shape.split(":"))
-    lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts=drafts)
+    lp, ids = reference_inputs(B, budget, K, drafts)
     lp, ids = lp.cuda(), ids.cuda()
     budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
     out = ops.tree_build(lp, ids, budgets, d_max=budget + 1)

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from kdtree import ops
-from kdtree.harness.sweeps.tree_build import point_seed
-from kdtree.harness.workloads import DRAFTS, stage_a_inputs
+from kdtree.harness.sweeps.tree_build import reference_inputs
+from kdtree.harness.workloads import DRAFTS
 from tree_build_host_twin import load, select  # this folder's
 
 SLOTS = 40  # KD_PROF_SLOTS in kernels/src/tree_views.cuh
@@ -58,7 +58,7 @@ def main():
         raise SystemExit("KDTREE_LIB is not a profile build (-DKD_BUILD_PROFILE)")
     for shape in args.shapes:
         B, budget, K = (int(x) for x in shape.split(":"))
-        lp, ids = stage_a_inputs(B, 15, 8192, K, seed=point_seed(0, B, budget), drafts=args.drafts)
+        lp, ids = reference_inputs(B, budget, K, args.drafts)
         lpd, idsd = lp.cuda(), ids.cuda()
         budgets = torch.full((B,), budget, dtype=torch.int32, device="cuda")
 

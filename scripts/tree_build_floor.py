@@ -16,11 +16,9 @@ import torch
 
 from kdtree import ops
 from kdtree.harness.results import check_output, write_parquet_atomic
-from kdtree.harness.sweeps.tree_build import point_seed
+from kdtree.harness.sweeps.tree_build import REFERENCE_L, reference_inputs
 from kdtree.harness.timing import ALTERNATING, time_graphs_alternating
-from kdtree.harness.workloads import DRAFTS, stage_a_inputs
-
-L, VOCAB = 15, 8192  # the tree-build sweep's (config/reference.yaml)
+from kdtree.harness.workloads import DRAFTS
 
 
 def main():
@@ -46,8 +44,8 @@ def main():
     for drafts in args.drafts:
         for B in args.batches:
             for budget in args.budgets:
-                K = min(budget, 256)
-                lp, ids = stage_a_inputs(B, L, VOCAB, K, seed=point_seed(0, B, budget), drafts=drafts)
+                K = min(budget, 256)  # issue 29's build targets' K
+                lp, ids = reference_inputs(B, budget, K, drafts)
                 lp, ids, D = lp.cuda(), ids.cuda(), budget + 1
                 forms, fns = ["empty_op"], [lambda: tiny.add_(0)]
                 for name, bud in (("budget_0", 0), ("budget_1", 1), ("budget", budget)):
@@ -58,7 +56,7 @@ def main():
                 rounds = [time_graphs_alternating(fns, replays=args.replays) for _ in range(args.rounds)]
                 for i, form in enumerate(forms):
                     med = statistics.median(r[i]["median_us"] for r in rounds)
-                    rows.append(dict(drafts=drafts, batch=B, budget=budget, K=K, L=L, form=form, median_us=med,
+                    rows.append(dict(drafts=drafts, batch=B, budget=budget, K=K, L=REFERENCE_L, form=form, median_us=med,
                                      round_medians_us=[r[i]["median_us"] for r in rounds],
                                      device=torch.cuda.get_device_name(), timing=ALTERNATING))
                 print(f"{drafts:9s} B {B:3d} budget {budget:4d}: " +

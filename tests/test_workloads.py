@@ -127,3 +127,22 @@ def test_poisoned_accept_shapes_and_poison():
     for t in (idx, n, bonus):
         assert (t == ACCEPT_POISON).all()
     assert ACCEPT_POISON > 1025  # past any slot index or accepted length (D <= 1025)
+
+
+def test_reference_inputs_are_the_reference_sweeps_points():
+    """The profiling and timing scripts' inputs (sweeps.tree_build.reference_inputs) are the
+    reference set's tree-build points: its L, vocabulary and seed as config/reference.yaml
+    (over config/config.yaml) sets them, each point's seed as the sweep draws it."""
+    import pathlib
+
+    import yaml
+
+    from kdtree.harness.sweeps import tree_build as tb
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cfg = yaml.safe_load((root / "config" / "config.yaml").read_text())["sweep_tree_build"]
+    cfg.update(yaml.safe_load((root / "config" / "reference.yaml").read_text())["sweep_tree_build"])
+    assert (tb.REFERENCE_L, tb.REFERENCE_VOCAB, tb.REFERENCE_SEED) == (cfg["L"], cfg["vocab"], cfg["seed"])
+    got = tb.reference_inputs(16, 64, 64, "confident")
+    want = stage_a_inputs(16, cfg["L"], cfg["vocab"], 64, seed=tb.point_seed(cfg["seed"], 16, 64), drafts="confident")
+    assert all(torch.equal(g, w) for g, w in zip(got, want))

@@ -15,6 +15,18 @@ def point_seed(seed: int, batch: int, budget: int) -> int:
     return seed + batch * 7919 + budget
 
 
+# The reference set's tree-build sweep (config/reference.yaml over config/config.yaml): the
+# rows' depth, the vocabulary and the seed. A CPU test holds them to the config files.
+REFERENCE_L, REFERENCE_VOCAB, REFERENCE_SEED = 15, 8192, 0
+
+
+def reference_inputs(batch: int, budget: int, topk: int, drafts: str):
+    """Stage-A inputs (top-K log-probs, ids) of one point of the reference set's tree-build
+    sweep at K = topk: what the profiling and timing scripts reproduce."""
+    return stage_a_inputs(batch, REFERENCE_L, REFERENCE_VOCAB, topk,
+                          seed=point_seed(REFERENCE_SEED, batch, budget), drafts=drafts)
+
+
 def sglang_row(p: dict, cfg: dict, lp, ids, budget: int) -> dict:
     """SGLang's DDTree worker builder (spec sglang.md step 2) on the host copies of the same
     rows, a request at a time as the worker calls it, where SGLang has one; its first
