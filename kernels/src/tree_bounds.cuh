@@ -295,6 +295,30 @@ __device__ inline void share_chain_for_layout(const Threshold& t, int L, int tid
 inline void share_chain_for_layout(const Threshold&, int, int) {}
 #endif
 
+// The tree's depth at `tau`: the largest d <= L with chain(d) >= tau, since node 0^d is the
+// best of depth d (rows non-increasing, rounding monotone), so the walk stops there instead
+// of materialising an empty level. Warp 0 writes it to t.scratch[TS_DEPTH]; read after the
+// walk's first barrier. `shared`: chain(0 .. L) is in the node buffer (a bound or the layout
+// shared it), else warp 0 sums it here. tau <= 0 = chain(0): the depth is at least 0.
+#ifdef __CUDA_ARCH__
+__device__ inline void share_tree_depth(const Threshold& t, int L, double tau, bool shared, int tid) {
+  if (tid < 32) {
+    const int d = min(tid, L);
+    const double c = shared ? chain_at(t, d) : chain_sums(t, L, d);
+    const unsigned reach = __ballot_sync(FULL_MASK, tid <= L && c >= tau);
+    if (tid == 0) t.scratch[TS_DEPTH] = 31 - __clz(reach | 1u);
+  }
+}
+#else
+inline void share_tree_depth(const Threshold& t, int L, double tau, bool, int) {
+  double cs[KEY_DEPTH + 1];
+  chain_sums_host(t, L, cs);
+  int depth = 0;
+  while (depth < L && cs[depth + 1] >= tau) ++depth;
+  t.scratch[TS_DEPTH] = depth;
+}
+#endif
+
 // Pivot rounds over the chain's own nodes 0^d r only (the heap's exact sums, one binary
 // search per depth): ~4k cycles against deviation_bound's ~20k, and as good where K >=
 // budget (no raises at the sweep's shapes), so it serves there; its pivots: chain_pivots.

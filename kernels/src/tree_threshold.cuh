@@ -103,16 +103,20 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
   le = one_dev ? one_deviation_layout(t, L, keff, tau, tid, nthreads) : -1;
   const bool laid_out = le > 0;
   if (stats && tid == 0) stats[2] = laid_out;
+  // The walk ends at the tree's depth at this tau, which later raises only lower (one-CTA
+  // kernel only: the two-CTA kernel spilled more with it).
+  if (WIDE && !laid_out) share_tree_depth(t, L, tau, chain_shared || one_dev, tid);
   while (!laid_out) {  // the levels, where the layout did not run or declined
     if (tid == 0) store_root(t);
     lb = 0;
     le = 1;
     KD_BARRIER();
+    const int depth = WIDE ? t.scratch[TS_DEPTH] : L;
     bool restart = false;
     int d = 0;
-    narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
+    narrow_levels<WIDE>(t, depth, keff, tau, &d, &lb, &le, tid);
     KD_PROF(23);
-    for (; d < L;) {
+    for (; d < depth;) {
       const float* row = t.lp + d * t.ld;
       const int room = cap - le;
       const int total = materialise_level(t, row, keff, d, tau, lb, le, tid, nthreads);
@@ -139,7 +143,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
           KD_PROF(22);
           // The redone level and the ones after are often narrow again (a raise keeps
           // about `budget` nodes): warp 0 takes them without block barriers.
-          if (le - lb <= 32) narrow_levels<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
+          if (le - lb <= 32) narrow_levels<WIDE>(t, depth, keff, tau, &d, &lb, &le, tid);
           continue;
         }
         if (!tie && !guess && ties_are_leaves(t, L)) {
@@ -164,7 +168,7 @@ KD_HD int threshold_select(const Threshold& t, int L, int K, int budget, const S
       lb = le;
       le += total;
       ++d;
-      narrow_after_wide<WIDE>(t, L, keff, tau, &d, &lb, &le, tid);
+      narrow_after_wide<WIDE>(t, depth, keff, tau, &d, &lb, &le, tid);
     }
     if (restart) continue;
     if (tie && le - 1 < budget) {  // tie_tau is the budget-th score

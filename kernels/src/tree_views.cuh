@@ -33,6 +33,7 @@ constexpr int TS_MIN_NODES = 64;
 constexpr int TS_BINS = 256;         // radix digit of 8 bits
 constexpr int TS_COUNTERS = TS_BINS + 16;  // three rotating level counters
 constexpr int TS_NARROW = TS_COUNTERS + 8;  // where warp 0's narrow levels ended (3 ints)
+constexpr int TS_DEPTH = TS_NARROW + 3;     // the tree's depth at the walk's tau (share_tree_depth)
 constexpr int TS_SCRATCH_INTS = TS_BINS + 48;
 
 // Node of the enumerated set: parent's buffer index, rank, depth and an inexact-sum flag.
