@@ -9,7 +9,8 @@
 //  1. enumerate S(tau) = {score >= tau} level by level: a parent's children in S are a
 //     rank prefix (one binary search per parent), laid out by a scan (warp 0 alone while
 //     a level has at most 32 parents, then the block); a deep tree one deviation wide off
-//     the first-child chain is laid out at once instead (one-CTA kernel);
+//     the first-child chain is laid out at once instead (one-CTA kernel, which also stops
+//     the walk at the tree's depth: the largest d with chain(d) >= tau);
 //  2. a level that overflows the node buffer raises tau to about the budget-th best score
 //     of what was materialised (linear score bins or radix passes over the score bits; the
 //     budget-th best of any subset of the tree is <= the tree's own), drops what fell
