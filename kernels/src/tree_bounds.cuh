@@ -299,22 +299,45 @@ inline void share_chain_for_layout(const Threshold&, int, int) {}
 // best of depth d (rows non-increasing, rounding monotone), so the walk stops there instead
 // of materialising an empty level. Warp 0 writes it to t.scratch[TS_DEPTH]; read after the
 // walk's first barrier. `shared`: chain(0 .. L) is in the node buffer (a bound or the layout
-// shared it), else warp 0 sums it here. tau <= 0 = chain(0): the depth is at least 0.
+// shared it); else a warp scan of the rows' first log-probs, whose adds run in another order
+// than the heap's: a margin far above their rounding (<= 32 ulps of the sum, all terms <= 0)
+// keeps the depth an upper bound (a level too many finds no child; one too few would lose
+// nodes). Five shuffle steps instead of sixteen dependent adds. tau <= 0 = chain(0).
 #ifdef __CUDA_ARCH__
 __device__ inline void share_tree_depth(const Threshold& t, int L, double tau, bool shared, int tid) {
   if (tid < 32) {
-    const int d = min(tid, L);
-    const double c = shared ? chain_at(t, d) : chain_sums(t, L, d);
+    double c;
+    if (shared) {
+      c = chain_at(t, min(tid, L));
+    } else {
+      c = tid >= 1 && tid <= L ? (double)t.lp[(tid - 1) * t.ld] : 0.0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const double y = __shfl_up_sync(FULL_MASK, c, o);
+        if (tid >= o) c += y;
+      }
+      c *= 1.0 - 1e-12;  // c <= 0: raised by 1e-12 of itself
+    }
     const unsigned reach = __ballot_sync(FULL_MASK, tid <= L && c >= tau);
     if (tid == 0) t.scratch[TS_DEPTH] = 31 - __clz(reach | 1u);
   }
 }
 #else
-inline void share_tree_depth(const Threshold& t, int L, double tau, bool, int) {
-  double cs[KEY_DEPTH + 1];
-  chain_sums_host(t, L, cs);
+// Host twin: the same sums in the same order (the heap's where shared, else the warp scan's
+// steps and margin), so the host fuzz checks that the margin keeps the depth an upper bound.
+inline void share_tree_depth(const Threshold& t, int L, double tau, bool shared, int) {
+  double c[32];
+  if (shared) {
+    chain_sums_host(t, L, c);
+  } else {
+    for (int i = 0; i < 32; ++i) c[i] = i >= 1 && i <= L ? (double)t.lp[(i - 1) * t.ld] : 0.0;
+    for (int o = 1; o < 32; o <<= 1)
+      for (int i = 31; i >= o; --i) c[i] = KD_DADD(c[i], c[i - o]);  // downward: c[i - o] not yet updated
+    for (int i = 0; i <= L; ++i) c[i] *= 1.0 - 1e-12;
+  }
   int depth = 0;
-  while (depth < L && cs[depth + 1] >= tau) ++depth;
+  for (int d = 1; d <= L; ++d)
+    if (c[d] >= tau) depth = d;
   t.scratch[TS_DEPTH] = depth;
 }
 #endif
