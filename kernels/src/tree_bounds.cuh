@@ -310,12 +310,7 @@ __device__ inline void share_tree_depth(const Threshold& t, int L, double tau, b
     if (shared) {
       c = chain_at(t, min(tid, L));
     } else {
-      c = tid >= 1 && tid <= L ? (double)t.lp[(tid - 1) * t.ld] : 0.0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const double y = __shfl_up_sync(FULL_MASK, c, o);
-        if (tid >= o) c += y;
-      }
+      c = warp_inclusive_scan(tid >= 1 && tid <= L ? (double)t.lp[(tid - 1) * t.ld] : 0.0, tid);
       c *= 1.0 - 1e-12;  // c <= 0: raised by 1e-12 of itself
     }
     const unsigned reach = __ballot_sync(FULL_MASK, tid <= L && c >= tau);

@@ -142,10 +142,11 @@ inline void smem_max(unsigned long long* p, unsigned long long v) { if (v > *p) 
 #endif
 
 #ifdef __CUDA_ARCH__
-// A warp's inclusive scan of c over its lanes in order.
-__device__ __forceinline__ int warp_inclusive_scan(int c, int lane) {
+// A warp's inclusive scan of c over its lanes in order (counts, or a double's sums).
+template <class T>
+__device__ __forceinline__ T warp_inclusive_scan(T c, int lane) {
   for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(FULL_MASK, c, o);
+    const T y = __shfl_up_sync(FULL_MASK, c, o);
     if (lane >= o) c += y;
   }
   return c;
