@@ -123,6 +123,20 @@ def test_tree_build_sweep_caps_topk(tmp_path):
         assert dict(zip(cpu.budget, cpu.topk)) == want
 
 
+@pytest.mark.gpu
+def test_tree_build_sweep_times_the_dense_mask_when_asked(tmp_path):
+    """dense_visibility adds the SGLang drop-in's build (the dense mask besides the bits) as
+    its own device-time row; without it the sweep writes none."""
+    cfg = {"batches": [2], "budgets": [16, 64], "L": 4, "vocab": 300, "seed": 0, "cpu_reps": 1,
+           "cpu_max_seconds": 1, "gpu_replays": 2, "gpu_mem_cap_gb": 1}
+    dense = tree_build.run(dict(cfg, dense_visibility=True), tmp_path / "dense.parquet", gpu=True)
+    plain = tree_build.run(cfg, tmp_path / "plain.parquet", gpu=True)
+    rows = dense[dense.impl == "gpu_kernel_dense"]
+    assert sorted(rows.budget) == [16, 64] and (rows.status == "ok").all() and (rows.median_us > 0).all()
+    assert (rows.metric == "device_time").all()
+    assert not (plain.impl == "gpu_kernel_dense").any()
+
+
 def test_cpu_sweeps_then_gather_figures_and_report(tmp_path):
     cfg_tb = {"batches": [1, 2], "budgets": [4, 16], "L": 4, "vocab": 300, "seed": 0, "cpu_reps": 1,
               "cpu_max_seconds": 1, "gpu_replays": 2, "gpu_mem_cap_gb": 1}
