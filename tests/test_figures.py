@@ -148,3 +148,16 @@ def test_worker_round_shows_the_patched_builder(captured, tmp_path):
     row = both[(both.batch == 1) & (both.budget == 64) & (both.prefix == 8192) & (both.part == "round")]
     want = float(row[row.impl == "sglang_cpu_path_patched"].median_us.iloc[0]) / 1e3
     assert f"({want:.3g} ms with `patch()`'s builder alone)" in summary(tmp_path)
+
+
+def test_tree_build_figure_draws_the_dense_mask_build(captured):
+    """Rows of the build with the dense mask (sweep_tree_build.dense_visibility) get their own
+    line, named for the SGLang drop-in; the figure stays readable. The rows here are the
+    reference's device times relabelled: only the drawing is under test."""
+    d = pd.read_parquet(REF / "tree_build.parquet")
+    dense = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")].assign(impl="gpu_kernel_dense")
+    figures.tree_build(pd.concat([d, dense]), "unused.png")
+    fig = captured[-1]
+    check_readable(fig)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("dense mask" in label for label in labels), labels

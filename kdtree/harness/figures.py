@@ -74,8 +74,11 @@ def _tree_build_row(d: pd.DataFrame, axes, kind, gpu_any: bool):
     cpu = d[d.impl == "cpu_heapq"][["batch", "budget", "median_us"]]
     gpu = d[(d.impl == "gpu_kernel") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
     lat = d[(d.impl == "gpu_kernel") & (d.metric == "caller_latency")][["batch", "budget", "median_us"]]
+    # The build with the dense mask too (sweep_tree_build.dense_visibility): what the SGLang drop-in runs.
+    dense = d[(d.impl == "gpu_kernel_dense") & (d.metric == "device_time")][["batch", "budget", "median_us"]]
     of = f" ({kind} drafts)" if kind else ""
     long = pd.concat([cpu.assign(impl="CPU heapq (reference)"), gpu.assign(impl="GPU kernel, device time"),
+                      dense.assign(impl="GPU kernel + dense mask (SGLang drop-in), device time"),
                       lat.assign(impl="GPU kernel, caller latency")]).rename(columns={"impl": "time"})
     sns.lineplot(long, x="budget", y="median_us", style="time", marker="o", ax=axes[0], **_batch_hue(long))
     axes[0].set(xscale="log", yscale="log", ylabel="time per batch (us)",
