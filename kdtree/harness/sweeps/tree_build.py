@@ -87,9 +87,9 @@ def measure_point(p: dict, cfg: dict, gpu: bool) -> list[dict]:
     rows.append(dict(p, impl="torch_tiny_op", metric="caller_latency", **empty))
     if cfg.get("dense_visibility"):  # the SGLang drop-in's build: the dense mask besides the bits
         dense = ops.tree_build(lp_d, ids_d, budgets, d_max=D, dense_visibility=True)
-        dev = time_graph(lambda: ops.tree_build(lp_d, ids_d, budgets, d_max=D, dense_visibility=True, out=dense),
-                         replays=cfg["gpu_replays"])
-        rows.append(dict(p, impl="gpu_kernel_dense", metric="device_time", warp_loop_requests=warp_loop, **dev))
+        dense_dev = time_graph(lambda: ops.tree_build(lp_d, ids_d, budgets, d_max=D, dense_visibility=True, out=dense),
+                               replays=cfg["gpu_replays"])
+        rows.append(dict(p, impl="gpu_kernel_dense", metric="device_time", warp_loop_requests=warp_loop, **dense_dev))
     return rows
 
 
