@@ -10,6 +10,11 @@ library's build carries line info):
     ncu --clock-control none -k regex:build_trees --launch-skip 3 --launch-count 1 --section WarpStateStats --section SourceCounters --warp-sampling-interval 0 -o tb python3 scripts/ncu_stalls.py launch 128:64:64
     ncu -i tb.ncu-rep --page source --csv --print-source sass > tb.csv
     python3 scripts/ncu_stalls.py summary tb.csv --reason no_inst
+
+`sources FILE` reads the same page exported with `--print-source cuda,sass` (a section a
+source file, each line followed by its SASS) and gives each instruction's samples to the first
+source line that lists it: shares and leading reasons by file, the hottest lines, and with
+`--span file:A-B[,C-D]` the sum over a named stretch of lines (a phase).
 """
 import argparse
 import csv
@@ -74,6 +79,75 @@ def summary(path: str, reason: str, top: int) -> None:
               f"{number(row.get('Instructions Executed', 0)):8.0f}  {row['Source'].strip()}")
 
 
+def read_sources_csv(path: str) -> tuple[list[str], dict[str, tuple[dict, str, int]]]:
+    """The stall columns and, for each SASS address, its row and the (file, line) it is first
+    listed under, from a `--print-source cuda,sass` export."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    header, where, rows = None, None, {}
+    for text in lines:
+        if text.startswith('"File Path"'):
+            where = (next(csv.reader([text]))[1].rsplit("/", 1)[-1], 0)
+            continue
+        if text.startswith('"Line No"'):
+            header = next(csv.reader([text]))
+            continue
+        if header is None or where is None or text.startswith('"Function Name"'):
+            continue
+        row = next(csv.reader([text]))
+        if row[0]:
+            where = (where[0], int(number(row[0])))
+        elif len(row) > 2 and row[2] not in ("", "-") and row[2] not in rows:
+            rows[row[2]] = (dict(zip(header[2:], row[2:])), where[0], where[1])
+    if header is None or not rows:
+        raise SystemExit(f"{path}: no '\"Line No\",...' sections with instructions: expected "
+                         "`ncu --page source --csv --print-source cuda,sass` output")
+    reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
+    return reasons, rows
+
+
+def parse_span(text: str) -> tuple[str, list[tuple[int, int]]]:
+    name, _, ranges = text.partition(":")
+    try:
+        spans = [tuple(int(x) for x in r.split("-")) for r in ranges.split(",")]
+        if not name or any(len(r) != 2 or r[0] > r[1] for r in spans):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"--span: expected file:A-B[,C-D] (e.g. tree_build.cu:44-50,205-270), got {text!r}")
+    return name, spans
+
+
+def sources(path: str, top: int, spans: list[str]) -> None:
+    reasons, rows = read_sources_csv(path)
+    samples_key = "Warp Stall Sampling (All Samples)"
+    total = sum(number(r.get(samples_key, 0)) for r, _, _ in rows.values()) or 1.0
+    print(f"{path}: {len(rows)} instructions, {total:.0f} samples")
+
+    def line(name: str, picked: list[dict]) -> None:
+        n = sum(number(r.get(samples_key, 0)) for r in picked)
+        by = sorted(((sum(number(r[c]) for r in picked), c[6:]) for c in reasons), reverse=True)[:3]
+        lead = ", ".join(f"{k} {v / n:.0%}" for v, k in by if v >= 0.005 * n) if n else ""
+        print(f"  {name:28s} {n:7.0f}  {n / total:6.1%}  {lead}")
+
+    print("by source file:")
+    files = {}
+    for r, f, _ in rows.values():
+        files.setdefault(f, []).append(r)
+    for f, picked in sorted(files.items(), key=lambda kv: -sum(number(r.get(samples_key, 0)) for r in kv[1])):
+        if any(number(r.get(samples_key, 0)) for r in picked):
+            line(f, picked)
+    for text in spans:
+        name, ranges = parse_span(text)
+        picked = [r for r, f, ln in rows.values() if f == name and any(a <= ln <= b for a, b in ranges)]
+        line(text, picked)
+    print(f"top {top} source lines:")
+    by_line = {}
+    for r, f, ln in rows.values():
+        by_line.setdefault(f"{f}:{ln}", []).append(r)
+    for key, picked in sorted(by_line.items(), key=lambda kv: -sum(number(r.get(samples_key, 0)) for r in kv[1]))[:top]:
+        line(key, picked)
+
+
 def main(argv=None) -> None:
     a = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = a.add_subparsers(dest="mode", required=True)
@@ -84,9 +158,15 @@ def main(argv=None) -> None:
     su.add_argument("csv")
     su.add_argument("--reason", default="no_inst", help="the stall reason to rank instructions by")
     su.add_argument("--top", type=int, default=20)
+    so = sub.add_parser("sources", help="stall shares by source file and line of a cuda,sass source CSV")
+    so.add_argument("csv")
+    so.add_argument("--top", type=int, default=20)
+    so.add_argument("--span", action="append", default=[], help="file:A-B[,C-D]: a stretch of lines summed")
     args = a.parse_args(argv)
     if args.mode == "launch":
         launch(args.shape, args.drafts)
+    elif args.mode == "sources":
+        sources(args.csv, args.top, args.span)
     else:
         summary(args.csv, args.reason, args.top)
 

@@ -289,6 +289,40 @@ def test_ncu_stalls_summarises_a_source_page(tmp_path):
     assert bad.returncode != 0 and "expected `ncu --page source --csv` output" in bad.stderr
 
 
+def test_ncu_stalls_sums_a_cuda_sass_page_by_source_line(tmp_path):
+    """Each instruction counts once, under the first line that lists it (inlined code is listed
+    again under its call site); a span sums a file's stretch of lines."""
+    header = ('"Line No","Source","Address","Source","Warp Stall Sampling (All Samples)","# Samples",'
+              '"stall_barrier","stall_no_inst","stall_no_inst (Not Issued)","stall_wait"')
+    a = ['"10","for (...)","-","-","40","40","0","30","30","10"',
+         '"","","0x7f0000000000","LDC R1","40","40","0","30","30","10"',
+         '"12","__syncthreads();","-","-","60","60","60","0","0","0"',
+         '"","","0x7f0000000010","BAR.SYNC 0x0","60","60","60","0","0","0"']
+    b = ['"3","inline helper","-","-","100","100","0","0","0","100"',
+         '"","","0x7f0000000000","LDC R1","40","40","0","30","30","10"',
+         '"","","0x7f0000000020","LDS R2","100","100","0","0","0","100"']
+    text = ['"File Path","/src/a.cu"', '"Function Name","k"', header, *a,
+            '"File Path","/src/b.cuh"', '"Function Name","k"', header, *b]
+    csv_path = tmp_path / "tb_cs.csv"
+    csv_path.write_text("\n".join(text) + "\n")
+    cmd = [sys.executable, str(ROOT / "scripts" / "ncu_stalls.py"), "sources", str(csv_path)]
+    r = subprocess.run(cmd + ["--span", "a.cu:11-12"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "3 instructions, 200 samples" in r.stdout
+    by_file = r.stdout.split("by source file:")[1].split("top")[0]
+    assert re.search(r"a\.cu\s+100\s+50\.0%\s+barrier 60%, no_inst 30%, wait 10%", by_file), r.stdout
+    assert re.search(r"b\.cuh\s+100\s+50\.0%\s+wait 100%", by_file), r.stdout
+    assert re.search(r"a\.cu:11-12\s+60\s+30\.0%\s+barrier 100%", by_file), r.stdout
+    lines = r.stdout.split("source lines:")[1]
+    assert lines.index("b.cuh:3") < lines.index("a.cu:12") < lines.index("a.cu:10")
+    bad = subprocess.run(cmd + ["--span", "a.cu:12-11"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--span: expected file:A-B" in bad.stderr
+    other = tmp_path / "sass_only.csv"
+    other.write_text('"Address","Source","# Samples"\n"0x0","LDC R1","4"\n')
+    bad = subprocess.run(cmd[:3] + [str(other)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--print-source cuda,sass" in bad.stderr
+
+
 def test_no_link_leaves_the_repository():
     bad = []
     for f in ROOT.rglob("*.md"):
