@@ -40,10 +40,17 @@ def launch(shape: str, drafts: str) -> None:
     torch.cuda.synchronize()
 
 
+def read_lines(path: str) -> list[str]:
+    try:
+        with open(path, newline="") as f:
+            return f.read().splitlines()
+    except OSError as e:
+        raise SystemExit(f"csv: cannot read {path}: {e.strerror}")
+
+
 def read_source_csv(path: str) -> list[dict]:
     """Rows of ncu's source-page CSV: its first line names the kernel, the second the columns."""
-    with open(path, newline="") as f:
-        lines = f.read().splitlines()
+    lines = read_lines(path)
     start = next((i for i, line in enumerate(lines) if line.startswith('"Address"')), None)
     if start is None:
         raise SystemExit(f"{path}: no '\"Address\",...' header line: expected `ncu --page source --csv` output")
@@ -82,8 +89,7 @@ def summary(path: str, reason: str, top: int) -> None:
 def read_sources_csv(path: str) -> tuple[list[str], dict[str, tuple[dict, str, int]]]:
     """The stall columns and, for each SASS address, its row and the (file, line) it is first
     listed under, from a `--print-source cuda,sass` export."""
-    with open(path, newline="") as f:
-        lines = f.read().splitlines()
+    lines = read_lines(path)
     header, where, rows = None, None, {}
     for text in lines:
         if text.startswith('"File Path"'):
@@ -118,13 +124,17 @@ def parse_span(text: str) -> tuple[str, list[tuple[int, int]]]:
 
 
 def sources(path: str, top: int, spans: list[str]) -> None:
+    named = [(text, *parse_span(text)) for text in spans]  # checked before the file is read
     reasons, rows = read_sources_csv(path)
-    samples_key = "Warp Stall Sampling (All Samples)"
-    total = sum(number(r.get(samples_key, 0)) for r, _, _ in rows.values()) or 1.0
+
+    def weight(picked: list[dict]) -> float:
+        return sum(number(r.get("Warp Stall Sampling (All Samples)", 0)) for r in picked)
+
+    total = weight([r for r, _, _ in rows.values()]) or 1.0
     print(f"{path}: {len(rows)} instructions, {total:.0f} samples")
 
     def line(name: str, picked: list[dict]) -> None:
-        n = sum(number(r.get(samples_key, 0)) for r in picked)
+        n = weight(picked)
         by = sorted(((sum(number(r[c]) for r in picked), c[6:]) for c in reasons), reverse=True)[:3]
         lead = ", ".join(f"{k} {v / n:.0%}" for v, k in by if v >= 0.005 * n) if n else ""
         print(f"  {name:28s} {n:7.0f}  {n / total:6.1%}  {lead}")
@@ -133,18 +143,17 @@ def sources(path: str, top: int, spans: list[str]) -> None:
     files = {}
     for r, f, _ in rows.values():
         files.setdefault(f, []).append(r)
-    for f, picked in sorted(files.items(), key=lambda kv: -sum(number(r.get(samples_key, 0)) for r in kv[1])):
-        if any(number(r.get(samples_key, 0)) for r in picked):
+    for f, picked in sorted(files.items(), key=lambda kv: -weight(kv[1])):
+        if weight(picked):
             line(f, picked)
-    for text in spans:
-        name, ranges = parse_span(text)
+    for text, name, ranges in named:
         picked = [r for r, f, ln in rows.values() if f == name and any(a <= ln <= b for a, b in ranges)]
         line(text, picked)
     print(f"top {top} source lines:")
     by_line = {}
     for r, f, ln in rows.values():
         by_line.setdefault(f"{f}:{ln}", []).append(r)
-    for key, picked in sorted(by_line.items(), key=lambda kv: -sum(number(r.get(samples_key, 0)) for r in kv[1]))[:top]:
+    for key, picked in sorted(by_line.items(), key=lambda kv: -weight(kv[1]))[:top]:
         line(key, picked)
 
 

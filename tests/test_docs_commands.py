@@ -324,6 +324,7 @@ def test_ncu_stalls_sums_a_cuda_sass_page_by_source_line(tmp_path):
     other = tmp_path / "sass_only.csv"
     other.write_text('"Address","Source","# Samples"\n"0x0","LDC R1","4"\n')
     assert "--print-source cuda,sass" in refused(cmd[:3] + [str(other)])
+    assert "csv: cannot read" in refused(cmd[:3] + [str(tmp_path / "missing.csv")])
 
 
 def test_no_link_leaves_the_repository():
