@@ -1,5 +1,6 @@
 """The probe against a real HTTP server on loopback speaking SGLang's wire format."""
 import asyncio
+import logging
 import math
 import os
 import pathlib
@@ -13,7 +14,8 @@ import time
 import pandas as pd
 import pytest
 
-from kdtree.probe.client import ProbeConfig, ProbeError, SSELines, load_prompts, probe_to_parquet, run_probe
+from kdtree.probe.client import (ProbeConfig, ProbeError, SSELines, load_prompts, probe_to_parquet, run_probe,
+                                  run_until_interrupted)
 from sglang_server import FakeSGLang  # tests/sglang_server.py
 
 
@@ -182,6 +184,29 @@ def test_hang_after_health_is_bounded_by_the_timeout(tmp_path, capsys):
     msg = capsys.readouterr().out
     assert "/server_info: ReadTimeout: no answer within 1 s" in msg
     assert pd.read_parquet(out).error.str.contains("no answer within").all()   # the failure is a row
+
+
+def test_a_reply_landing_after_the_run_is_cancelled_is_not_a_traceback(caplog):
+    """Ctrl-C cancels the run; a reply that then reaches a cancelled reader raises
+    InvalidStateError in the transport's callback (an httpx / anyio race seen in CI). That one
+    error is dropped while the run stops; before it, and any other error, asyncio reports."""
+    late = {"message": "Fatal error: protocol.data_received() call failed.",
+            "exception": asyncio.InvalidStateError("invalid state")}
+    other = {"message": "Exception in callback", "exception": ValueError("a real fault")}
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        loop.call_exception_handler(late)   # the run is not stopping: reported
+        asyncio.current_task().cancel()     # what the runner does on Ctrl-C
+        loop.call_exception_handler(late)   # stopping: dropped
+        loop.call_exception_handler(other)  # stopping, another error: reported
+        await asyncio.sleep(0)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"), pytest.raises(asyncio.CancelledError):
+        run_until_interrupted(run())
+    messages = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert sum("data_received" in m for m in messages) == 1, messages
+    assert sum("Exception in callback" in m for m in messages) == 1, messages
 
 
 def test_sigint_keeps_the_finished_requests(tmp_path):

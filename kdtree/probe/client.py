@@ -497,6 +497,33 @@ def write_results(cfg: ProbeConfig, df: pd.DataFrame, summary: dict, out, summar
                            pathlib.Path(summary_out or summary_path(out)): pd.DataFrame([dict(summary, **extra)])})
 
 
+def run_until_interrupted(coro):
+    """asyncio.run for the probe, quiet after Ctrl-C: once the run is being cancelled, a reply
+    that lands on a reader already cancelled (InvalidStateError in a transport callback, an
+    httpx / anyio race) is dropped instead of printed as a traceback; its request is already
+    a row. Every other loop error goes to asyncio's own handler."""
+    state = {"task": None, "stopping": False}
+
+    async def main():
+        state["task"] = asyncio.current_task()
+        return await coro
+
+    def handler(loop, context):
+        task = state["task"]
+        stopping = state["stopping"] or (task is not None and task.cancelling() > 0)
+        if stopping and isinstance(context.get("exception"), asyncio.InvalidStateError):
+            return
+        loop.default_exception_handler(context)
+
+    with asyncio.Runner() as runner:
+        runner.get_loop().set_exception_handler(handler)
+        try:
+            return runner.run(main())
+        except KeyboardInterrupt:
+            state["stopping"] = True  # the runner's close still runs the loop
+            raise
+
+
 @dataclass
 class ProbeOutcome:
     message: str
@@ -513,7 +540,7 @@ def probe_to_parquet(cfg: ProbeConfig, out, summary_out=None) -> ProbeOutcome:
     cfg = replace(cfg, prompts=cfg.prompts or load_prompts(cfg.prompts_file))
     st = ProbeRun()
     try:
-        df, summary, msg = asyncio.run(run_probe(cfg, st))
+        df, summary, msg = run_until_interrupted(run_probe(cfg, st))
     except KeyboardInterrupt:
         st.stop_reason = "interrupted (Ctrl-C)"
         df, summary, msg = finish(cfg, st)
