@@ -40,6 +40,11 @@ def launch(shape: str, drafts: str) -> None:
     torch.cuda.synchronize()
 
 
+def stall_columns(header) -> list[str]:
+    """The stall-reason columns of a source page (all samples, not the not-issued copies)."""
+    return [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
+
+
 def read_lines(path: str) -> list[str]:
     try:
         with open(path, newline="") as f:
@@ -68,7 +73,7 @@ def summary(path: str, reason: str, top: int) -> None:
     rows = read_source_csv(path)
     if not rows:
         raise SystemExit(f"{path}: a header but no instruction rows")
-    reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+    reasons = stall_columns(rows[0])
     if f"stall_{reason}" not in reasons:
         raise SystemExit(f"--reason: expected one of {[r[6:] for r in reasons]}, got {reason!r}")
     totals = {r: sum(number(row[r]) for row in rows) for r in reasons}
@@ -108,8 +113,7 @@ def read_sources_csv(path: str) -> tuple[list[str], dict[str, tuple[dict, str, i
     if header is None or not rows:
         raise SystemExit(f"{path}: no '\"Line No\",...' sections with instructions: expected "
                          "`ncu --page source --csv --print-source cuda,sass` output")
-    reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
-    return reasons, rows
+    return stall_columns(header), rows
 
 
 def parse_span(text: str) -> tuple[str, list[tuple[int, int]]]:

@@ -269,7 +269,7 @@ def test_ab_compare_takes_every_side_against_the_base(tmp_path):
 
 def refused(cmd: list) -> str:
     """A script run that must fail: its stderr, for the message it names."""
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0, r.stdout
     return r.stderr
 
@@ -350,9 +350,8 @@ def test_no_link_leaves_the_repository():
 
 def test_ncu_stalls_launch_names_a_bad_drafter():
     """Checked before anything touches the GPU, so it runs here."""
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "ncu_stalls.py"), "launch", "1:64:64",
-                        "--drafts", "sure"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode != 0 and "--drafts: expected one of ('mixed', 'confident'), got 'sure'" in r.stderr
+    stderr = refused([sys.executable, str(ROOT / "scripts" / "ncu_stalls.py"), "launch", "1:64:64", "--drafts", "sure"])
+    assert "--drafts: expected one of ('mixed', 'confident'), got 'sure'" in stderr
 
 
 def test_ab_sh_refuses_a_side_without_the_config_schema(tmp_path):
